@@ -1,0 +1,117 @@
+// RoundPipe: a host-resident model run as a pipeline over the device pool.
+//
+// The model's parameters and buffers stay on the host and remain the master
+// copy (the wrapped Sequential's own tensors). Calls split the batch into
+// microbatches, run stages of consecutive layers as jobs on the devices in
+// round-robin order, and merge the results.
+//
+// Thread-compatible: one user thread drives an instance at a time. Several
+// instances may share the devices.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <roundpipe/devices.h>
+#include <roundpipe/layer.h>
+#include <roundpipe/microbatch.h>
+#include <roundpipe/plan.h>
+#include <roundpipe/run_config.h>
+
+namespace roundpipe {
+
+class Layer;
+
+// loss_fn(outputs of one microbatch, label of that microbatch) -> a scalar
+// tensor or a list/tuple of scalar tensors. Runs on the device next to the
+// outputs.
+using LossFn = std::function<c10::IValue(const c10::IValue& outputs, const c10::IValue& label)>;
+
+// Model-level options, fixed at construction.
+struct RoundPipeOptions {
+  // Shown in errors, logs and traces. Default: "roundpipe".
+  std::string name = "roundpipe";
+  // Defaults for every call (see RunConfig).
+  RunConfig run_config;
+  // Use only the first N devices of the pool (0: all).
+  int64_t max_devices = 0;
+  // Seed of the model's random streams (dropout and other draws): streams
+  // depend on (seed, call, layer, microbatch) only. Default: drawn from the
+  // global generator at construction, so torch::manual_seed() fixes it.
+  c10::optional<uint64_t> seed;
+
+  RoundPipeOptions& set_name(std::string v) { name = std::move(v); return *this; }
+  RoundPipeOptions& set_run_config(RunConfig v) { run_config = std::move(v); return *this; }
+  RoundPipeOptions& set_max_devices(int64_t v) { max_devices = v; return *this; }
+  RoundPipeOptions& set_seed(uint64_t v) { seed = v; return *this; }
+};
+
+class RoundPipe {
+ public:
+  // Wraps `model`: each child is a layer. Parameters and buffers must be on
+  // the CPU and all layers cloneable (see layer.h). Parameters are moved into
+  // one contiguous host arena per layer; the model's tensors keep their
+  // identity and now view that arena.
+  explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
+  // Wraps already-adapted layers (used by language bindings).
+  RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options);
+  ~RoundPipe();
+  RoundPipe(RoundPipe&&) noexcept;
+  RoundPipe& operator=(RoundPipe&&) noexcept;
+
+  // Runs the model on a batch. Outputs are merged and returned on the CPU
+  // (RunConfig::output_device). If requires_grad (default: grad mode on), the
+  // floating-point output tensors carry autograd history: backward through them
+  // runs the backward stages through the pipeline and accumulates parameter
+  // gradients as forward_backward does.
+  c10::IValue forward(std::vector<c10::IValue> args, Kwargs kwargs = make_kwargs(),
+                      const RunConfig& run_config = RunConfig());
+  // Convenience for a model whose first layer takes one tensor.
+  at::Tensor forward(const at::Tensor& input, const RunConfig& run_config = RunConfig());
+
+  // Exactly:
+  //   for args_m, kwargs_m, label_m in split(args, kwargs, label):
+  //     out_m = model(args_m, kwargs_m); loss_m = loss_fn(out_m, label_m)
+  //     backward(loss_m)
+  //   return sum of loss_m [, merge(out_m)]
+  // Returns the summed loss (CPU, detached; a list of sums if loss_fn returns
+  // a list), or the tuple (loss, outputs) when return_outputs. Parameter
+  // gradients accumulate on the host in fp32 (microbatch order, then call
+  // order); input tensors that require grad get their .grad. On failure the
+  // error names model, stage, layer, microbatch and device, and no gradient,
+  // buffer or input .grad is changed.
+  c10::IValue forward_backward(std::vector<c10::IValue> input_args, Kwargs input_kwargs,
+                               c10::IValue label, const LossFn& loss_fn,
+                               bool return_outputs = false,
+                               const RunConfig& run_config = RunConfig());
+
+  // Waits for queued work; then each trainable parameter's .grad holds
+  // (in addition to what it held) the gradients accumulated since the last
+  // hand-off, which are thereby handed over.
+  void synchronize();
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const;
+
+  int64_t num_layers() const;
+  const std::string& name() const;
+  // Number of devices this model's jobs are spread over.
+  int64_t num_devices() const;
+  // The plan a call of `kind` uses when its RunConfig has none.
+  ModelExecutePlan default_execute_plan(RunKind kind) const;
+  // The wrapped model (the Sequential given at construction, if any).
+  torch::nn::Sequential& model();
+
+  class Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace roundpipe

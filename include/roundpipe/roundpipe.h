@@ -1,0 +1,12 @@
+// roundpipe: training models larger than device memory from host-resident
+// state, on a round-robin pool of devices. Include this header for the whole
+// public API.
+#pragma once
+
+#include <roundpipe/devices.h>
+#include <roundpipe/layer.h>
+#include <roundpipe/microbatch.h>
+#include <roundpipe/model.h>
+#include <roundpipe/plan.h>
+#include <roundpipe/recompute.h>
+#include <roundpipe/run_config.h>

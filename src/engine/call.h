@@ -1,0 +1,124 @@
+// One call's pipeline: its jobs, the values flowing between them, and its
+// outcome. Shared by the user thread and the device workers running its jobs.
+//
+// Thread-safety: every field below `mu` is guarded by it; the rest is set
+// before the jobs are submitted and read-only afterwards (except where noted).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/layer.h"
+#include "engine/recompute_context.h"
+#include "roundpipe/model.h"
+#include "runtime/device.h"
+
+namespace roundpipe {
+
+class HostStore;
+struct RandomUse;
+
+enum class JobKind { kForward, kFused, kBackward };
+
+struct JobSpec {
+  JobKind kind;
+  LayerRange layers;
+  int64_t stage = 0;   // index in its plan (fwd_plan or bwd_plan)
+  int64_t device = 0;  // pool index
+};
+
+// A value handed from one job to the next (or to/from the host).
+struct Slot {
+  c10::IValue value;
+  int64_t device = -1;  // pool index of the device holding it; -1: host
+  FencePtr fence;       // the value is valid once this completes (null: now)
+  bool ready = false;
+};
+
+// What forward stages keep for the backward stages (host memory).
+struct ForwardRecord {
+  int64_t call_id = 0;
+  int64_t num_microbatch = 0;
+  std::vector<std::vector<Slot>> stage_inputs;  // [layer][M]: inputs of layers that start a backward stage
+  std::vector<std::vector<c10::optional<std::vector<c10::IValue>>>> recompute_data;  // [layer][M]
+};
+
+// Everything a job needs from its model, fixed for the call.
+struct ModelView {
+  std::string name;
+  std::vector<std::shared_ptr<Layer>>* layers;
+  HostStore* store;
+  std::vector<std::unique_ptr<RandomUse>>* random_use;
+  uint64_t seed;
+  bool training;
+};
+
+// The tensors of one stage on one device.
+struct StageTensors {
+  std::vector<std::vector<at::Tensor>> params;   // [layer in stage][param]
+  std::vector<std::vector<at::Tensor>> buffers;  // [layer in stage][buffer]
+};
+
+class Call {
+ public:
+  ModelView model;
+  int64_t call_id = 0;
+  int64_t num_microbatch = 0;
+  RecomputeGrain grain = RecomputeGrain::kStage;
+  bool preserve_rng = true;
+  bool saves_for_backward = false;  // forward stages keep inputs for backward stages
+  std::vector<JobSpec> jobs;
+  std::shared_ptr<ForwardRecord> record;  // written by forward stages, read by backward ones
+  std::vector<char> backward_starts;      // [layer]: a backward (non-fused) stage starts here
+  std::vector<c10::IValue> labels;        // [M] (fused calls)
+  const LossFn* loss_fn = nullptr;
+  bool keep_outputs = false;              // fused calls: return the outputs too
+
+  // flow[j][m]: input of job j for microbatch m; flow[jobs.size()][m]: result
+  // of the last job (outputs on the host, or input gradients).
+  std::vector<std::vector<Slot>> flow;
+  std::vector<StageTensors> prefetched;  // [job]: written and read by the job's device only
+
+  // Results, each written by exactly one job, read after the call finished.
+  std::vector<c10::IValue> losses;   // [M] host
+  std::vector<c10::IValue> outputs;  // [M] host (fused calls with keep_outputs)
+  std::vector<std::vector<std::pair<int64_t, at::Tensor>>> grads;  // [job]: (param id, host grad)
+  std::vector<std::vector<std::pair<int64_t, std::vector<at::Tensor>>>> buffers;  // [job]: (layer, host buffers)
+  std::vector<FencePtr> fences;  // [job]: its downloads of grads and buffers are done after this
+
+  void init_flow();
+  // Blocks until `slot` is ready; throws Cancelled if the call failed.
+  Slot wait(const Slot& slot);
+  void publish(Slot& slot, Slot value);
+  void fail(std::exception_ptr error, const std::string& context);
+  bool failed();
+  void job_done();
+  // Blocks until every job finished; rethrows the first error with context.
+  void wait_all();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::exception_ptr error_;  // guarded by mu_
+  std::string context_;       // guarded by mu_
+  int64_t jobs_done_ = 0;     // guarded by mu_
+};
+
+// Thrown inside a job when another job of its call failed first.
+struct Cancelled {};
+
+// Runs job `j` of `call` on `device` (a device worker task). Never throws:
+// errors are recorded in the call.
+void run_job(const std::shared_ptr<Call>& call, size_t j, Device& device);
+
+// Rethrows `error` with `context` added, keeping the exception's type.
+[[noreturn]] void rethrow_with_context(std::exception_ptr error, const std::string& context);
+
+}  // namespace roundpipe

@@ -1,0 +1,64 @@
+#include "engine/host_store.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#include <unordered_map>
+
+namespace roundpipe {
+namespace {
+
+constexpr int64_t kAlign = 64;  // bytes; keeps every view vector-aligned
+
+int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pinned) {
+  std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
+  layers_.resize(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    HostLayer& hl = layers_[l];
+    int64_t arena_bytes = 0;
+    for (const auto& [name, tensor] : layers[l]->named_parameters()) {
+      auto [it, is_new] = id_of.emplace(tensor.unsafeGetTensorImpl(), params_.size());
+      if (is_new) {
+        HostParam p;
+        p.name = std::to_string(l) + "." + name;
+        p.master = tensor;
+        p.owner = static_cast<int64_t>(l);
+        p.offset = arena_bytes;
+        arena_bytes += align_up(tensor.numel() * static_cast<int64_t>(tensor.element_size()));
+        hl.owned.push_back(it->second);
+        params_.push_back(std::move(p));
+      }
+      hl.param_ids.push_back(it->second);
+      hl.param_bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+    }
+    // Exact size (rounded to the alignment only): no power-of-two blow-up.
+    hl.arena = at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+    for (int64_t id : hl.owned) {
+      HostParam& p = params_[id];
+      at::Tensor view = view_in(hl.arena, id);
+      view.copy_(p.master.detach());
+      // The model keeps its parameter objects; their data now lives in the arena.
+      p.master.set_data(view);
+    }
+  }
+}
+
+at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {
+  const HostParam& p = params_.at(id);
+  at::Tensor keep = arena;  // the view keeps the arena alive
+  return at::from_blob(static_cast<uint8_t*>(arena.data_ptr()) + p.offset, p.master.sizes(),
+                       [keep](void*) mutable { keep.reset(); },
+                       p.master.options().device(arena.device()).requires_grad(false));
+}
+
+std::vector<int64_t> HostStore::layer_param_bytes() const {
+  std::vector<int64_t> out;
+  for (const auto& l : layers_) out.push_back(l.param_bytes);
+  return out;
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,56 @@
+// The host-resident model state: master parameters packed into one contiguous
+// arena per layer, fp32 gradient accumulators, and buffers.
+//
+// Thread-compatible: owned by the user thread of the model; device workers
+// only read arenas and buffers while a call runs (the user thread does not
+// write them then).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/layer.h"
+
+namespace roundpipe {
+
+// One unique parameter of the model (tied parameters appear once).
+struct HostParam {
+  std::string name;   // "<layer>.<name in layer>" where first found, e.g. "3.weight"
+  at::Tensor master;  // the model's own parameter; its data views the owner's arena
+  int64_t owner = 0;  // layer whose arena holds it
+  int64_t offset = 0; // byte offset in the owner's arena
+  at::Tensor grad;    // fp32 accumulator [same shape], undefined until a gradient arrives
+  bool trainable() const { return master.requires_grad(); }
+};
+
+struct HostLayer {
+  std::vector<int64_t> param_ids;  // per layer parameter (named_parameters order) -> HostParam
+  at::Tensor arena;                // uint8 [arena bytes]: the parameters this layer owns
+  std::vector<int64_t> owned;      // HostParam ids stored in `arena`
+  int64_t param_bytes = 0;         // bytes of all this layer's parameters (tied ones included)
+};
+
+class HostStore {
+ public:
+  // Packs the layers' parameters; `pinned` page-locks the arenas.
+  HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pinned);
+
+  std::vector<HostParam>& params() { return params_; }
+  const std::vector<HostParam>& params() const { return params_; }
+  const HostLayer& layer(int64_t i) const { return layers_.at(i); }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  std::vector<int64_t> layer_param_bytes() const;
+
+  // The tensor of parameter `id` viewed inside `arena` (a device copy of its
+  // owner's arena, or the host arena itself).
+  at::Tensor view_in(const at::Tensor& arena, int64_t id) const;
+
+ private:
+  std::vector<HostParam> params_;
+  std::vector<HostLayer> layers_;
+};
+
+}  // namespace roundpipe

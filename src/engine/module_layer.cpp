@@ -1,0 +1,164 @@
+// Layer over a libtorch module: one structural clone per device, whose
+// parameters and buffers are pointed at the device tensors of the job.
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "engine/layer.h"
+#include "roundpipe/layer.h"
+
+namespace roundpipe {
+namespace {
+
+NamedTensors to_named(const torch::OrderedDict<std::string, at::Tensor>& dict) {
+  NamedTensors out;
+  for (const auto& item : dict) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+class ModuleLayer final : public Layer {
+ public:
+  ModuleLayer(torch::nn::AnyModule any, int64_t index)
+      : any_(std::move(any)), module_(any_.ptr()), index_(index) {
+    for (const auto& p : module_->named_parameters()) check_on_cpu("parameter", p.key(), p.value());
+    for (const auto& b : module_->named_buffers()) check_on_cpu("buffer", b.key(), b.value());
+    replica_for(0);  // cloning problems surface at construction
+  }
+
+  std::string type_name() const override { return module_->name(); }
+  NamedTensors named_parameters() const override { return to_named(module_->named_parameters()); }
+  NamedTensors named_buffers() const override { return to_named(module_->named_buffers()); }
+  bool is_training() const override { return module_->is_training(); }
+  void train(bool on) override { module_->train(on); }
+
+  std::vector<at::Tensor> bind(int replica, const std::vector<at::Tensor>& params,
+                               const std::vector<at::Tensor>& buffers) override {
+    Replica& r = replica_for(replica);
+    r.module->train(module_->is_training());
+    TORCH_INTERNAL_ASSERT(params.size() == r.params.size() && buffers.size() == r.buffers.size());
+    auto masters = module_->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      r.params[i].set_data(params[i]);
+      r.params[i].requires_grad_(masters[i].requires_grad());
+    }
+    for (size_t i = 0; i < buffers.size(); ++i) r.buffers[i].set_data(buffers[i]);
+    return r.params;
+  }
+
+  std::vector<at::Tensor> bound_buffers(int replica) override { return replica_for(replica).buffers; }
+
+  c10::IValue forward(int replica, std::vector<c10::IValue> args, Kwargs kwargs) override {
+    Replica& r = replica_for(replica);
+    if (r.value_layer != nullptr) return r.value_layer->forward(std::move(args), std::move(kwargs));
+    TORCH_CHECK_TYPE(args.size() == 1 && args[0].isTensor() && kwargs.size() == 0, "layer ", index_,
+                     " (", type_name(), ") takes one tensor but was called with ", describe(args, kwargs),
+                     "; layers that take other values must implement roundpipe::ValueLayer");
+    return r.any.forward(args[0].toTensor());
+  }
+
+  void unbind(int replica) override {
+    Replica& r = replica_for(replica);
+    for (auto& p : r.params) {
+      p.mutable_grad().reset();
+      p.set_data(at::empty({0}, p.options()));
+    }
+    for (auto& b : r.buffers) b.set_data(at::empty({0}, b.options()));
+  }
+
+ private:
+  struct Replica {
+    std::shared_ptr<torch::nn::Module> module;
+    torch::nn::AnyModule any;        // the same module, typed; used when not a ValueLayer
+    ValueLayer* value_layer = nullptr;
+    std::vector<at::Tensor> params;  // the replica's own parameter variables
+    std::vector<at::Tensor> buffers;
+  };
+
+  void check_on_cpu(const char* what, const std::string& name, const at::Tensor& t) const {
+    TORCH_CHECK_VALUE(!t.defined() || t.device().is_cpu(), "layer ", index_, " (", module_->name(), ") ",
+                      what, " '", name, "' is on ", t.device(),
+                      "; RoundPipe keeps the model on the CPU: move it there first");
+  }
+
+  static std::string describe(const std::vector<c10::IValue>& args, const Kwargs& kwargs) {
+    std::string out = std::to_string(args.size()) + " positional argument(s) (";
+    for (size_t i = 0; i < args.size(); ++i) out += (i ? ", " : "") + args[i].tagKind();
+    return out + ") and " + std::to_string(kwargs.size()) + " keyword argument(s)";
+  }
+
+  Replica& replica_for(int replica) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = replicas_.find(replica);
+    if (it != replicas_.end()) return it->second;
+    return replicas_.emplace(replica, make_replica()).first->second;
+  }
+
+  // Clones the module without its tensor data, keeping the global random
+  // state untouched (clone() re-runs reset(), which may draw random numbers).
+  Replica make_replica() {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor rng_state = gen.get_state();
+    torch::nn::AnyModule clone;
+    try {
+      clone = any_.clone();
+    } catch (const c10::Error& e) {
+      gen.set_state(rng_state);
+      TORCH_CHECK_VALUE(false, "layer ", index_, " (", module_->name(),
+                        ") cannot be cloned: derive it from torch::nn::Cloneable<",
+                        module_->name(), "> so each device can run its own replica (",
+                        e.what_without_backtrace(), ")");
+    }
+    gen.set_state(rng_state);
+    check_not_aliased(*clone.ptr());
+    Replica r;
+    r.module = clone.ptr();
+    r.any = clone;
+    r.value_layer = dynamic_cast<ValueLayer*>(r.module.get());
+    for (auto& p : r.module->parameters()) {
+      p.set_data(at::empty({0}, p.options()));
+      r.params.push_back(p);
+    }
+    for (auto& b : r.module->buffers()) {
+      b.set_data(at::empty({0}, b.options()));
+      r.buffers.push_back(b);
+    }
+    return r;
+  }
+
+  // A clone whose reset() re-registers a tensor the module holds (a tied
+  // weight passed to its constructor) shares it with the original; binding
+  // device tensors to it would overwrite the master copy.
+  void check_not_aliased(const torch::nn::Module& clone) const {
+    std::unordered_map<const c10::TensorImpl*, std::string> masters;
+    for (const auto& p : module_->named_parameters()) masters.emplace(p.value().unsafeGetTensorImpl(), p.key());
+    for (const auto& b : module_->named_buffers()) masters.emplace(b.value().unsafeGetTensorImpl(), b.key());
+    auto check = [&](const torch::OrderedDict<std::string, at::Tensor>& tensors) {
+      for (const auto& t : tensors) {
+        auto it = masters.find(t.value().unsafeGetTensorImpl());
+        TORCH_CHECK_VALUE(it == masters.end(), "layer ", index_, " (", module_->name(), "): a clone shares '",
+                          it->second, "' with the original because reset() registers a tensor the module ",
+                          "holds; reset() must create new tensors (register a tied tensor only once, e.g. ",
+                          "take it with std::exchange)");
+      }
+    };
+    check(clone.named_parameters());
+    check(clone.named_buffers());
+  }
+
+  torch::nn::AnyModule any_;
+  std::shared_ptr<torch::nn::Module> module_;
+  int64_t index_;
+  std::mutex mu_;
+  std::unordered_map<int, Replica> replicas_;  // guarded by mu_ (entries are stable)
+};
+
+}  // namespace
+
+std::shared_ptr<Layer> make_module_layer(torch::nn::AnyModule module, int64_t index) {
+  return std::make_shared<ModuleLayer>(std::move(module), index);
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,63 @@
+#include "engine/rng.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+
+#include <mutex>
+
+namespace roundpipe {
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::mutex& generator_lock(c10::Device device) {
+  // One lock per generator: all CPU devices share the CPU generator.
+  static std::mutex cpu;
+  static std::mutex accel[64];
+  if (device.is_cpu()) return cpu;
+  return accel[device.index() % 64];
+}
+
+at::Generator generator_of(c10::Device device) {
+  if (device.is_cpu()) return at::detail::getDefaultCPUGenerator();
+  return at::globalContext().defaultGenerator(device);
+}
+
+}  // namespace
+
+uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch) {
+  uint64_t h = splitmix64(seed);
+  h = splitmix64(h ^ static_cast<uint64_t>(call));
+  h = splitmix64(h ^ static_cast<uint64_t>(layer));
+  return splitmix64(h ^ static_cast<uint64_t>(microbatch)) >> 1;  // keep it positive as int64
+}
+
+void run_with_random_stream(c10::Device device, uint64_t seed, bool training, RandomUse& use,
+                            const std::function<void()>& fn) {
+  std::atomic<bool>& may_draw = use.may_draw[training ? 1 : 0];
+  if (!may_draw.load(std::memory_order_acquire)) {
+    fn();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(generator_lock(device));
+  at::Generator gen = generator_of(device);
+  at::Tensor saved = gen.get_state();
+  gen.set_current_seed(seed);
+  at::Tensor seeded = gen.get_state();
+  try {
+    fn();
+  } catch (...) {
+    gen.set_state(saved);
+    throw;
+  }
+  if (at::equal(gen.get_state(), seeded)) may_draw.store(false, std::memory_order_release);
+  gen.set_state(saved);
+}
+
+}  // namespace roundpipe

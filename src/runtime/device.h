@@ -1,0 +1,121 @@
+// One execution device of the pool: a worker thread plus the means to move
+// tensors between the host and the device and to order work between lanes.
+//
+// Devices hold no model state: they execute, they do not decide. Two
+// backends implement this interface:
+//  - AcceleratorDevice: a CUDA (or other c10 accelerator) device, with four
+//    streams (parameter upload, activation upload, compute, download) ordered
+//    by c10::Event.
+//  - CpuDevice: a virtual device for machines without accelerators. Copies
+//    are real; everything its worker allocates is charged to its own memory
+//    counter; lanes are synchronous, so fences are always complete.
+//
+// Thread-safety: submit(), memory queries and name() are thread-safe; every
+// other method must be called on this device's worker thread (inside a task).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "runtime/memory_tracker.h"
+#include "util/worker_thread.h"
+
+namespace roundpipe {
+
+enum class Lane { kParamUpload, kActUpload, kCompute, kDownload };
+
+// Marks the work submitted on one lane up to a point. Complete-on-creation
+// for synchronous backends.
+class Fence {
+ public:
+  virtual ~Fence() = default;
+  // Blocks the calling host thread until the marked work has finished.
+  virtual void synchronize() const = 0;
+};
+using FencePtr = std::shared_ptr<const Fence>;
+
+class Device {
+ public:
+  Device(int index, std::string name);
+  virtual ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  int index() const { return index_; }            // position in the pool
+  const std::string& name() const { return name_; }  // "cpu:1", "cuda:0"
+  virtual c10::Device torch_device() const = 0;  // where its tensors live
+
+  // Runs `task` on this device's worker thread, after every task submitted
+  // before it. The task runs with the compute lane current.
+  void submit(std::function<void()> task);
+
+  // Bytes in use on the device now, and the most since the last reset.
+  virtual int64_t memory_allocated() const = 0;
+  virtual int64_t max_memory_allocated() const = 0;
+  virtual void reset_peak_memory() = 0;
+
+  // ---- worker thread only ----
+  // Copies a host tensor to a new device tensor on `lane`, after `after`
+  // (a fence from any device or the host, may be null). Later compute sees it.
+  virtual at::Tensor upload(const at::Tensor& host, Lane lane, const FencePtr& after) = 0;
+  // Copies a device tensor (produced by compute submitted so far) to new host
+  // memory on the download lane. The host copy is valid once the returned
+  // fence completes (`*fence_out`).
+  virtual at::Tensor download(const at::Tensor& device_tensor, FencePtr* fence_out) = 0;
+  // Makes the compute lane wait for `fence` (null: no-op), without blocking
+  // the host.
+  virtual void compute_wait(const FencePtr& fence) = 0;
+  // A fence after all compute submitted so far.
+  virtual FencePtr compute_fence() = 0;
+  // Blocks until all work submitted by this worker has finished.
+  virtual void synchronize() = 0;
+
+ protected:
+  // Set-up run on the worker thread before any task (thread-locals).
+  virtual void on_worker_start() {}
+  // Wraps every task (e.g. to make the compute stream current).
+  virtual void run_task(const std::function<void()>& task) { task(); }
+  // Subclasses call this at the end of their constructor.
+  void start_worker();
+  // Joins the worker; subclasses call this first in their destructor.
+  void stop_worker();
+
+ private:
+  int index_;
+  std::string name_;
+  std::unique_ptr<WorkerThread> worker_;
+};
+
+// The CPU virtual device.
+class CpuDevice final : public Device {
+ public:
+  explicit CpuDevice(int index);
+  ~CpuDevice() override;
+
+  c10::Device torch_device() const override { return c10::Device(c10::DeviceType::CPU); }
+  int64_t memory_allocated() const override { return counter_.current(); }
+  int64_t max_memory_allocated() const override { return counter_.peak(); }
+  void reset_peak_memory() override { counter_.reset_peak(); }
+
+  at::Tensor upload(const at::Tensor& host, Lane lane, const FencePtr& after) override;
+  at::Tensor download(const at::Tensor& device_tensor, FencePtr* fence_out) override;
+  void compute_wait(const FencePtr& fence) override {}
+  FencePtr compute_fence() override { return nullptr; }
+  void synchronize() override {}
+
+ protected:
+  void run_task(const std::function<void()>& task) override;
+
+ private:
+  MemoryCounter counter_;
+};
+
+// Creates the accelerator device `index` of type `type` (e.g. CUDA), pool
+// position `pool_index`. Throws when the backend is not available.
+std::unique_ptr<Device> make_accelerator_device(int pool_index, c10::Device device);
+
+}  // namespace roundpipe

@@ -1,0 +1,138 @@
+#include "runtime/device_pool.h"
+
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <sstream>
+
+#include "roundpipe/devices.h"
+
+namespace roundpipe {
+namespace {
+
+int64_t parse_count(const std::string& text, const std::string& spec) {
+  size_t used = 0;
+  long long value = -1;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK_VALUE(used == text.size() && value >= 0,
+                    "ROUNDPIPE_DEVICES='", spec, "': '", text,
+                    "' is not a device number; use cuda, cuda:0,2 or cpu:N");
+  return value;
+}
+
+}  // namespace
+
+std::vector<std::string> DevicePool::parse_spec(const std::string& spec, int64_t num_cuda) {
+  std::vector<std::string> out;
+  if (spec == "cuda") {
+    TORCH_CHECK_VALUE(num_cuda > 0, "ROUNDPIPE_DEVICES='cuda' but no CUDA device is visible; ",
+                      "use cpu:N for CPU virtual devices");
+    for (int64_t i = 0; i < num_cuda; ++i) out.push_back("cuda:" + std::to_string(i));
+    return out;
+  }
+  if (spec.rfind("cpu:", 0) == 0) {
+    int64_t n = parse_count(spec.substr(4), spec);
+    TORCH_CHECK_VALUE(n >= 1 && n <= 256, "ROUNDPIPE_DEVICES='", spec,
+                      "': the number of CPU virtual devices must be in 1..256");
+    for (int64_t i = 0; i < n; ++i) out.push_back("cpu:" + std::to_string(i));
+    return out;
+  }
+  if (spec.rfind("cuda:", 0) == 0) {
+    std::stringstream list(spec.substr(5));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      int64_t i = parse_count(item, spec);
+      TORCH_CHECK_VALUE(i < num_cuda, "ROUNDPIPE_DEVICES='", spec, "': cuda:", i,
+                        " does not exist (", num_cuda, " CUDA devices visible)");
+      std::string name = "cuda:" + std::to_string(i);
+      for (const auto& seen : out) {
+        TORCH_CHECK_VALUE(seen != name, "ROUNDPIPE_DEVICES='", spec, "' lists ", name, " twice");
+      }
+      out.push_back(name);
+    }
+    TORCH_CHECK_VALUE(!out.empty(), "ROUNDPIPE_DEVICES='", spec, "' lists no device");
+    return out;
+  }
+  TORCH_CHECK_VALUE(false, "ROUNDPIPE_DEVICES='", spec,
+                    "' is not understood; use cuda, cuda:0,2 or cpu:N");
+  return out;
+}
+
+DevicePool& DevicePool::instance() {
+  // Created on first use; if creation throws, the next call tries again.
+  static std::mutex mu;
+  static DevicePool* pool = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (pool == nullptr) {
+    int64_t num_cuda = at::detail::getCUDAHooks().getNumGPUs();
+    const char* env = std::getenv("ROUNDPIPE_DEVICES");
+    std::string spec = env != nullptr && *env != '\0' ? env : (num_cuda > 0 ? "cuda" : "cpu:1");
+    // Leaked on purpose: device threads must outlive every model, including
+    // ones destroyed during static destruction.
+    pool = new DevicePool(parse_spec(spec, num_cuda));
+  }
+  return *pool;
+}
+
+DevicePool::DevicePool(const std::vector<std::string>& specs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const int index = static_cast<int>(i);
+    if (specs[i].rfind("cpu:", 0) == 0) {
+      devices_.push_back(std::make_unique<CpuDevice>(index));
+    } else {
+      devices_.push_back(make_accelerator_device(index, c10::Device(specs[i])));
+    }
+  }
+}
+
+std::vector<int64_t> DevicePool::assign_devices(int64_t num_tasks, int64_t num_devices) {
+  TORCH_CHECK_VALUE(num_devices >= 1 && num_devices <= size(), "asked for ", num_devices,
+                    " devices; the pool has ", size(), " (ROUNDPIPE_DEVICES)");
+  std::lock_guard<std::mutex> lock(submit_mu_);
+  std::vector<int64_t> out(num_tasks);
+  for (int64_t i = 0; i < num_tasks; ++i) out[i] = (next_ + i) % num_devices;
+  next_ = (next_ + num_tasks) % size();
+  return out;
+}
+
+void DevicePool::submit_batch(const std::vector<int64_t>& devices,
+                              const std::vector<std::function<void(Device&)>>& tasks) {
+  TORCH_INTERNAL_ASSERT(devices.size() == tasks.size());
+  std::lock_guard<std::mutex> lock(submit_mu_);
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    Device& dev = *devices_.at(devices[i]);
+    dev.submit([&dev, task = tasks[i]] { task(dev); });
+  }
+}
+
+int64_t get_num_devices() { return DevicePool::instance().size(); }
+
+std::vector<std::string> get_device_names() {
+  std::vector<std::string> names;
+  auto& pool = DevicePool::instance();
+  for (int64_t i = 0; i < pool.size(); ++i) names.push_back(pool.device(i).name());
+  return names;
+}
+
+std::vector<DeviceMemoryStats> device_memory_stats() {
+  std::vector<DeviceMemoryStats> out;
+  auto& pool = DevicePool::instance();
+  for (int64_t i = 0; i < pool.size(); ++i) {
+    Device& d = pool.device(i);
+    out.push_back({d.name(), d.memory_allocated(), d.max_memory_allocated()});
+  }
+  return out;
+}
+
+void reset_peak_device_memory() {
+  auto& pool = DevicePool::instance();
+  for (int64_t i = 0; i < pool.size(); ++i) pool.device(i).reset_peak_memory();
+}
+
+}  // namespace roundpipe
