@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "engine/layer.h"
+#include "engine/rng.h"
 #include "roundpipe/layer.h"
 
 namespace roundpipe {
@@ -89,16 +90,24 @@ class ModuleLayer final : public Layer {
     return out + ") and " + std::to_string(kwargs.size()) + " keyword argument(s)";
   }
 
+  // Only device `replica`'s thread creates its replica, so creating it
+  // outside mu_ races with nobody; mu_ guards the map, never the clone (which
+  // takes the generator lock: holding both would invert lock order).
   Replica& replica_for(int replica) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = replicas_.find(replica);
+      if (it != replicas_.end()) return it->second;
+    }
+    Replica made = make_replica();
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = replicas_.find(replica);
-    if (it != replicas_.end()) return it->second;
-    return replicas_.emplace(replica, make_replica()).first->second;
+    return replicas_.emplace(replica, std::move(made)).first->second;
   }
 
   // Clones the module without its tensor data, keeping the global random
   // state untouched (clone() re-runs reset(), which may draw random numbers).
   Replica make_replica() {
+    std::lock_guard<std::mutex> rng_lock(cpu_generator_lock());
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     at::Tensor rng_state = gen.get_state();
     torch::nn::AnyModule clone;

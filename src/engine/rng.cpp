@@ -18,9 +18,8 @@ uint64_t splitmix64(uint64_t x) {
 
 std::mutex& generator_lock(c10::Device device) {
   // One lock per generator: all CPU devices share the CPU generator.
-  static std::mutex cpu;
   static std::mutex accel[64];
-  if (device.is_cpu()) return cpu;
+  if (device.is_cpu()) return cpu_generator_lock();
   return accel[device.index() % 64];
 }
 
@@ -30,6 +29,11 @@ at::Generator generator_of(c10::Device device) {
 }
 
 }  // namespace
+
+std::mutex& cpu_generator_lock() {
+  static std::mutex mu;
+  return mu;
+}
 
 uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch) {
   uint64_t h = splitmix64(seed);

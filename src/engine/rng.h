@@ -14,8 +14,13 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 
 namespace roundpipe {
+
+// The lock of the process's CPU generator: hold it to draw from (or save and
+// restore) that generator without disturbing keyed runs on other devices.
+std::mutex& cpu_generator_lock();
 
 uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch);
 

@@ -46,11 +46,11 @@ TEST_P(MlpEquivalence, LossGradientsAndParametersMatchPlainLibtorch) {
   torch::nn::Sequential ref = copy_of(net);
   RoundPipe model(net, RoundPipeOptions().set_max_devices(c.devices).set_name("mlp"));
   RunConfig cfg = RunConfig().num_microbatch(c.microbatches).recompute_grain(c.grain).execute_plan(mlp_plan(c.fused));
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const int64_t batch = 7;  // uneven split for M = 3 and 5
   LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
-    return torch::mse_loss(out.toTensor(), y.toTensor(), at::Reduction::Sum);
+    return torch::mse_loss(out.toTensor(), y.toTensor());
   };
 
   for (int step = 0; step < 5; ++step) {
@@ -60,12 +60,12 @@ TEST_P(MlpEquivalence, LossGradientsAndParametersMatchPlainLibtorch) {
     if (c.fused) {
       auto xs = x.tensor_split(c.microbatches), ys = y.tensor_split(c.microbatches);
       for (int64_t m = 0; m < c.microbatches; ++m) {
-        at::Tensor l = torch::mse_loss(ref->forward(xs[m]), ys[m], at::Reduction::Sum);
+        at::Tensor l = torch::mse_loss(ref->forward(xs[m]), ys[m]);
         l.backward();
         ref_loss += l.item<double>();
       }
     } else {
-      at::Tensor l = torch::mse_loss(ref->forward(x), y, at::Reduction::Sum);
+      at::Tensor l = torch::mse_loss(ref->forward(x), y);
       l.backward();
       ref_loss = l.item<double>();
     }
@@ -74,7 +74,7 @@ TEST_P(MlpEquivalence, LossGradientsAndParametersMatchPlainLibtorch) {
       loss = model.forward_backward({x}, make_kwargs(), y, loss_fn, false, cfg).toTensor().item<double>();
     } else {
       at::Tensor out = model.forward(x, cfg);
-      at::Tensor l = torch::mse_loss(out, y, at::Reduction::Sum);
+      at::Tensor l = torch::mse_loss(out, y);
       l.backward();
       loss = l.item<double>();
     }

@@ -1,0 +1,45 @@
+// B6: peak bytes per device for 8, 32 and 64 equal layers in one-layer
+// stages: device memory must not grow with depth.
+#include <roundpipe/roundpipe.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+
+#include "bench_common.h"
+
+using namespace roundpipe;
+
+int64_t peak_bytes(int64_t layers) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int64_t i = 0; i < layers; ++i) net->push_back(torch::nn::Linear(512, 512));
+  RoundPipe model(net);
+  ModelExecutePlan plan;
+  for (int64_t l = 0; l + 1 < layers; ++l) plan.fwd_plan.push_back({l, l + 1});
+  for (int64_t l = layers - 1; l >= 0; --l) plan.bwd_plan.push_back({l, l + 1});
+  RunConfig cfg = RunConfig().execute_plan(plan);
+  LossFn loss_fn = [](const c10::IValue& out, const c10::IValue&) -> c10::IValue { return out.toTensor().square().mean(); };
+  at::Tensor x = torch::randn({64, 512});
+  model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg);
+  reset_peak_device_memory();
+  model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg);
+  int64_t peak = 0;
+  for (const auto& s : device_memory_stats()) peak = std::max(peak, s.max_allocated_bytes);
+  return peak;
+}
+
+int main() {
+  std::printf("B6 device memory vs depth — %s\n", bench::machine_line().c_str());
+  std::printf("devices %lld, Linear(512, 512) layers (1 MiB of parameters each), one-layer stages\n",
+              (long long)get_num_devices());
+  std::printf("%8s %16s\n", "layers", "peak MiB/device");
+  int64_t p8 = 0, p32 = 0, p64 = 0;
+  for (int64_t layers : {8, 32, 64}) {
+    int64_t p = peak_bytes(layers);
+    (layers == 8 ? p8 : layers == 32 ? p32 : p64) = p;
+    std::printf("%8lld %16.2f\n", (long long)layers, p / 1048576.0);
+  }
+  std::printf("RESULT id=B6 peak64_vs_peak8=%.3f peak32_vs_peak8=%.3f peak8_mib=%.2f peak64_mib=%.2f\n",
+              double(p64) / p8, double(p32) / p8, p8 / 1048576.0, p64 / 1048576.0);
+  return 0;
+}
