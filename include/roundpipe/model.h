@@ -20,6 +20,7 @@
 #include <roundpipe/devices.h>
 #include <roundpipe/layer.h>
 #include <roundpipe/microbatch.h>
+#include <roundpipe/optimizer.h>
 #include <roundpipe/plan.h>
 #include <roundpipe/run_config.h>
 
@@ -40,6 +41,10 @@ struct RoundPipeOptions {
   RunConfig run_config;
   // Use only the first N devices of the pool (0: all).
   int64_t max_devices = 0;
+  // Dtype of the optimizer copies (one per trainable parameter, always a
+  // separate tensor). Default: the parameters' own dtype. E.g. bf16 model
+  // parameters with kFloat optimizer copies.
+  c10::optional<at::ScalarType> optim_dtype;
   // Seed of the model's random streams (dropout and other draws): streams
   // depend on (seed, call, layer, microbatch) only. Default: drawn from the
   // global generator at construction, so torch::manual_seed() fixes it.
@@ -49,6 +54,7 @@ struct RoundPipeOptions {
   RoundPipeOptions& set_run_config(RunConfig v) { run_config = std::move(v); return *this; }
   RoundPipeOptions& set_max_devices(int64_t v) { max_devices = v; return *this; }
   RoundPipeOptions& set_seed(uint64_t v) { seed = v; return *this; }
+  RoundPipeOptions& set_optim_dtype(at::ScalarType v) { optim_dtype = v; return *this; }
 };
 
 class RoundPipe {
@@ -90,10 +96,44 @@ class RoundPipe {
                                bool return_outputs = false,
                                const RunConfig& run_config = RunConfig());
 
-  // Waits for queued work; then each trainable parameter's .grad holds
-  // (in addition to what it held) the gradients accumulated since the last
-  // hand-off, which are thereby handed over.
+  // Queues, on the optimizer thread and in order: adding the gradients of
+  // every call issued so far to the optimizer copies' .grad (in optim dtype),
+  // then step_fn. Let θ_k be the optimizer copies after the k-th step_fn.
+  //  - is_async=false: returns when step_fn finished and the model's
+  //    parameters equal θ_k; later calls see θ_k (plain synchronous training).
+  //  - is_async=true: returns at once; later calls see θ_{k-1} (the one-step
+  //    delay), so step_fn's cost hides under the next iteration.
+  // At most one step is in flight: step waits for the previous step_fn first.
+  // An exception from an asynchronous step_fn is rethrown (once, with the
+  // model's name and step number) by the next step or synchronize, or by a
+  // forward / forward_backward that starts after it was raised; the model is
+  // usable again afterwards.
+  void step(StepFn step_fn, bool is_async = true);
+
+  // Waits for all queued work. Afterwards the model's parameters hold the
+  // latest optimizer result (cast to the model dtype) and each parameter's
+  // .grad holds the gradients accumulated since the last step that were not
+  // handed to an optimizer (they stay pending: a later step hands .grad over,
+  // and zeroing .grad drops them).
   void synchronize();
+
+  // The optimizer copies: one per trainable parameter, tied parameters once,
+  // in model order ("<layer>.<name>").
+  std::vector<at::Tensor> optim_parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters() const;
+  // The model's parameters; the optimizer copies inside an OptimizerCtx or a
+  // step_fn (see optimizer.h).
+  std::vector<at::Tensor> parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+
+  // Parameters and buffers by name ("<layer>.<name>"), master copies.
+  std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
+  // Copies values into the parameters and buffers and refreshes the
+  // optimizer copies, so loading after creating an optimizer is not undone by
+  // the next step. Waits for queued work first. With `strict`, missing or
+  // unexpected names are a c10::ValueError (nothing is changed then);
+  // a shape mismatch is always one.
+  void load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict = true);
 
   void train(bool on = true);
   void eval() { train(false); }

@@ -7,6 +7,7 @@
 #include <roundpipe/layer.h>
 #include <roundpipe/microbatch.h>
 #include <roundpipe/model.h>
+#include <roundpipe/optimizer.h>
 #include <roundpipe/plan.h>
 #include <roundpipe/recompute.h>
 #include <roundpipe/run_config.h>

@@ -23,6 +23,7 @@ struct HostParam {
   int64_t owner = 0;  // layer whose arena holds it
   int64_t offset = 0; // byte offset in the owner's arena
   at::Tensor grad;    // fp32 accumulator [same shape], undefined until a gradient arrives
+  at::Tensor optim;   // optimizer copy [same shape] in optim dtype (trainable parameters only)
   bool trainable() const { return master.requires_grad(); }
 };
 

@@ -20,6 +20,9 @@ std::string name_of(const Case& c) {
          (c.grain == RecomputeGrain::kStage ? "_stage" : "_layer") + (c.fused ? "_fused" : "_fwdbwd");
 }
 
+// Readable test names in gtest and ctest output.
+void PrintTo(const Case& c, std::ostream* os) { *os << name_of(c); }
+
 std::vector<Case> all_cases() {
   std::vector<Case> out;
   for (int64_t m : {1, 3, 5})

@@ -1,0 +1,43 @@
+// B7: resident host bytes per byte of parameters for a RoundPipe model
+// (parameters in per-layer arenas), excluding the optimizer copies.
+#include <roundpipe/roundpipe.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "bench_common.h"
+
+using namespace roundpipe;
+
+// Resident set size of this process, from /proc/self/statm.
+int64_t rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * 4096;
+}
+
+int main() {
+  constexpr int64_t kLayers = 16, kWidth = 1024;  // 16 x 4 MiB of fp32 weights
+  std::printf("B7 host memory — %s\n", bench::machine_line().c_str());
+  torch::manual_seed(0);
+  get_num_devices();  // start the pool and its threads before measuring
+  const int64_t before = rss_bytes();
+  int64_t param_bytes = 0, optim_bytes = 0, after = 0;
+  {
+    torch::nn::Sequential net;
+    for (int64_t i = 0; i < kLayers; ++i) net->push_back(torch::nn::Linear(kWidth, kWidth));
+    for (const auto& p : net->parameters()) param_bytes += p.numel() * p.element_size();
+    RoundPipe model(net);
+    for (const auto& p : model.optim_parameters()) optim_bytes += p.numel() * p.element_size();
+    after = rss_bytes();
+  }
+  const double host = static_cast<double>(after - before - optim_bytes);
+  std::printf("parameters %.1f MiB, optimizer copies %.1f MiB, resident growth %.1f MiB\n",
+              param_bytes / 1048576.0, optim_bytes / 1048576.0, (after - before) / 1048576.0);
+  std::printf("RESULT id=B7 host_bytes_per_param_byte=%.3f param_mib=%.1f\n", host / param_bytes,
+              param_bytes / 1048576.0);
+  return 0;
+}

@@ -1,0 +1,257 @@
+// The optimizer side: optimizer copies, gradient hand-off, the optimizer
+// thread with its exact one-step delay, synchronize, state dicts.
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <future>
+#include <unordered_map>
+
+#include "engine/model_impl.h"
+#include "roundpipe/optimizer.h"
+
+namespace roundpipe {
+namespace {
+
+std::atomic<int64_t> sync_warmup_steps{0};
+thread_local int optimizer_ctx_depth = 0;
+
+// The gradients one step hands to the optimizer copies.
+struct PendingGrad {
+  int64_t id;
+  at::Tensor accumulated;  // fp32, from the calls (may be undefined)
+  at::Tensor from_grad;    // the model parameter's .grad left by synchronize (may be undefined)
+};
+
+}  // namespace
+
+void set_sync_warmup_steps(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0, "set_sync_warmup_steps: n must be >= 0, got ", n);
+  sync_warmup_steps.store(n);
+}
+
+int64_t get_sync_warmup_steps() { return sync_warmup_steps.load(); }
+
+OptimizerCtx::OptimizerCtx() { ++optimizer_ctx_depth; }
+OptimizerCtx::~OptimizerCtx() { --optimizer_ctx_depth; }
+bool OptimizerCtx::active() { return optimizer_ctx_depth > 0; }
+
+void RoundPipe::Impl::make_optimizer_copies(c10::optional<at::ScalarType> optim_dtype) {
+  for (HostParam& p : store->params()) {
+    if (!p.trainable()) continue;
+    const at::ScalarType dtype = optim_dtype.value_or(p.master.scalar_type());
+    TORCH_CHECK_TYPE(at::isFloatingType(dtype), "optim_dtype must be a floating-point type, got ", dtype);
+    p.optim = p.master.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+  }
+  optimizer_thread = std::make_unique<WorkerThread>();
+}
+
+void RoundPipe::Impl::rethrow_step_error() {
+  std::exception_ptr error;
+  std::string context;
+  {
+    std::lock_guard<std::mutex> lock(optim_mu);
+    std::swap(error, step_error);  // reported once; the model is usable after
+    context = step_error_context;
+  }
+  if (error) rethrow_with_context(error, context);
+}
+
+void RoundPipe::Impl::before_call() {
+  {
+    std::unique_lock<std::mutex> lock(optim_mu);
+    optim_cv.wait(lock, [&] { return model_writes_pending == 0; });
+  }
+  rethrow_step_error();
+}
+
+void RoundPipe::Impl::drain_optimizer() {
+  std::promise<void> done;
+  optimizer_thread->post([&] { done.set_value(); });
+  done.get_future().wait();
+}
+
+void RoundPipe::Impl::write_model_parameters() {
+  at::NoGradGuard no_grad;
+  for (HostParam& p : store->params()) {
+    if (p.optim.defined()) p.master.detach().copy_(p.optim.detach());
+  }
+}
+
+void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
+  TORCH_CHECK_VALUE(static_cast<bool>(step_fn), "step: step_fn is empty");
+  // At most one step in flight: the optimizer's cost hides under an
+  // iteration, and when it is longer the next step waits here.
+  drain_optimizer();
+  rethrow_step_error();
+  const int64_t k = ++steps_issued;
+  const bool delayed = is_async && k > get_sync_warmup_steps();
+  model_behind_optimizer = delayed;
+
+  // Gradients of every call issued so far, taken now (the user thread owns
+  // them between calls); later calls accumulate afresh.
+  auto pending = std::make_shared<std::vector<PendingGrad>>();
+  auto& params = store->params();
+  for (size_t id = 0; id < params.size(); ++id) {
+    HostParam& p = params[id];
+    if (!p.optim.defined()) continue;
+    PendingGrad g{static_cast<int64_t>(id), std::move(p.grad), p.master.grad()};
+    p.grad = at::Tensor();
+    if (g.from_grad.defined()) p.master.mutable_grad().reset();
+    if (g.accumulated.defined() || g.from_grad.defined()) pending->push_back(std::move(g));
+  }
+  {
+    std::lock_guard<std::mutex> lock(optim_mu);
+    ++model_writes_pending;
+  }
+  const std::string context = "in RoundPipe model '" + name + "': step " + std::to_string(k);
+  auto record = [this, context](std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(optim_mu);
+    if (!step_error) {
+      step_error = std::move(e);
+      step_error_context = context;
+    }
+  };
+  auto writes_done = [this] {
+    {
+      std::lock_guard<std::mutex> lock(optim_mu);
+      --model_writes_pending;
+    }
+    optim_cv.notify_all();
+  };
+  optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, writes_done] {
+    bool ok = true;
+    try {
+      at::NoGradGuard no_grad;
+      for (const PendingGrad& g : *pending) {
+        at::Tensor& optim = store->params()[g.id].optim;
+        at::Tensor sum = g.accumulated.defined() ? g.accumulated : at::Tensor();
+        if (g.from_grad.defined()) sum = sum.defined() ? sum + g.from_grad : g.from_grad;
+        at::Tensor& grad = optim.mutable_grad();
+        if (grad.defined()) {
+          grad.add_(sum.to(optim.scalar_type()));
+        } else {
+          grad = sum.to(optim.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+        }
+      }
+      // One-step delay: the next calls see the copies as they are before
+      // this step_fn runs (θ_{k-1}).
+      if (delayed) write_model_parameters();
+    } catch (...) {
+      ok = false;
+      record(std::current_exception());
+    }
+    if (delayed) writes_done();
+    if (ok) {
+      try {
+        OptimizerCtx redirect;  // parameters() means the optimizer copies in step_fn
+        step_fn();
+      } catch (...) {
+        ok = false;
+        record(std::current_exception());
+      }
+    }
+    if (!delayed) {
+      try {
+        if (ok) write_model_parameters();
+      } catch (...) {
+        record(std::current_exception());
+      }
+      writes_done();
+    }
+  });
+  if (!delayed) before_call();  // waits for θ_k in the model; rethrows step_fn's error
+}
+
+void RoundPipe::Impl::synchronize() {
+  drain_optimizer();
+  rethrow_step_error();
+  // After a delayed step the model holds θ_{k-1}; bring it to θ_k. (Only
+  // then: a model trained directly, without step, keeps its own values.)
+  if (model_behind_optimizer) write_model_parameters();
+  model_behind_optimizer = false;
+  // Pending gradients move to .grad (model dtype), where a later step finds them.
+  for (HostParam& p : store->params()) {
+    if (!p.grad.defined()) continue;
+    at::Tensor& grad = p.master.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(p.grad.to(grad.scalar_type()));
+    } else {
+      grad = p.grad.to(p.master.scalar_type());
+    }
+    p.grad = at::Tensor();
+  }
+}
+
+void RoundPipe::step(StepFn step_fn, bool is_async) { impl_->step(std::move(step_fn), is_async); }
+
+void RoundPipe::synchronize() { impl_->synchronize(); }
+
+std::vector<std::pair<std::string, at::Tensor>> RoundPipe::optim_named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const HostParam& p : impl_->store->params()) {
+    if (p.optim.defined()) out.emplace_back(p.name, p.optim);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> RoundPipe::optim_parameters() const {
+  std::vector<at::Tensor> out;
+  for (auto& [name, t] : optim_named_parameters()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> RoundPipe::named_parameters() const {
+  if (OptimizerCtx::active()) return optim_named_parameters();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const HostParam& p : impl_->store->params()) out.emplace_back(p.name, p.master);
+  return out;
+}
+
+std::vector<at::Tensor> RoundPipe::parameters() const {
+  std::vector<at::Tensor> out;
+  for (auto& [name, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t l = 0; l < impl_->layers.size(); ++l) {
+    const std::string prefix = std::to_string(l) + ".";
+    for (auto& [name, t] : impl_->layers[l]->named_parameters()) out.emplace_back(prefix + name, t);
+    for (auto& [name, t] : impl_->layers[l]->named_buffers()) out.emplace_back(prefix + name, t);
+  }
+  return out;
+}
+
+void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict) {
+  impl_->drain_optimizer();
+  impl_->rethrow_step_error();
+  std::unordered_map<std::string, at::Tensor> given(state.begin(), state.end());
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, source), checked first
+  std::vector<std::string> missing;
+  for (auto& [name, dst] : state_dict()) {
+    auto it = given.find(name);
+    if (it == given.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    TORCH_CHECK_VALUE(it->second.sizes() == dst.sizes(), "load_state_dict: '", name, "' has shape ",
+                      it->second.sizes(), " but the model's is ", dst.sizes());
+    copies.emplace_back(dst, it->second);
+    given.erase(it);
+  }
+  if (strict) {
+    TORCH_CHECK_VALUE(missing.empty(), "load_state_dict: missing ", missing.size(), " entries, e.g. '",
+                      missing.empty() ? "" : missing.front(), "' (pass strict=false to allow)");
+    TORCH_CHECK_VALUE(given.empty(), "load_state_dict: ", given.size(), " unexpected entries, e.g. '",
+                      given.empty() ? "" : given.begin()->first, "' (pass strict=false to allow)");
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [dst, src] : copies) dst.detach().copy_(src);
+  // Refresh the optimizer copies, or the next step would undo the load.
+  for (HostParam& p : impl_->store->params()) {
+    if (p.optim.defined()) p.optim.detach().copy_(p.master.detach());
+  }
+}
+
+}  // namespace roundpipe

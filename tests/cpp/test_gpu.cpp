@@ -1,0 +1,82 @@
+// The accelerator path. Runs when the pool is CUDA devices
+// (ROUNDPIPE_DEVICES=cuda, see scripts/gpu-check); skipped otherwise.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/host_store.h"
+#include "models.h"
+
+namespace roundpipe {
+namespace testing {
+namespace {
+
+bool pool_is_cuda() { return get_device_names().front().rfind("cuda", 0) == 0; }
+
+#define SKIP_WITHOUT_CUDA() \
+  if (!pool_is_cuda()) GTEST_SKIP() << "needs ROUNDPIPE_DEVICES=cuda (pool is " << get_device_names().front() << ")"
+
+TEST(Gpu, ForwardBackwardMatchesPlainLibtorchOnTheGpu) {
+  SKIP_WITHOUT_CUDA();
+  torch::manual_seed(31);
+  torch::nn::Sequential net = make_mlp(64, 6, 8);
+  torch::nn::Sequential ref = copy_of(net);
+  ref->to(torch::kCUDA);
+  RoundPipe model(net);
+  LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
+    EXPECT_TRUE(out.toTensor().is_cuda());  // loss_fn runs next to the outputs
+    return torch::mse_loss(out.toTensor(), y.toTensor());
+  };
+  at::Tensor x = torch::randn({12, 64}), y = torch::randn({12, 8});
+  for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    for (auto& p : net->parameters()) p.mutable_grad().reset();
+    for (auto& p : ref->parameters()) p.mutable_grad().reset();
+    double loss = model.forward_backward({x}, make_kwargs(), y, loss_fn, false,
+                                         RunConfig().num_microbatch(3).recompute_grain(grain))
+                      .toTensor().item<double>();
+    model.synchronize();
+    double ref_loss = 0;
+    auto xs = x.cuda().tensor_split(3), ys = y.cuda().tensor_split(3);
+    for (int m = 0; m < 3; ++m) {
+      at::Tensor l = torch::mse_loss(ref->forward(xs[m]), ys[m]);
+      l.backward();
+      ref_loss += l.item<double>();
+    }
+    EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss));
+    std::vector<at::Tensor> ref_grads;
+    for (auto& g : grads_of(ref->parameters())) ref_grads.push_back(g.cpu());
+    expect_all_close(grads_of(net->parameters()), ref_grads, 1e-5, "gradients on the GPU");
+  }
+}
+
+TEST(Gpu, ParameterArenasArePageLocked) {
+  SKIP_WITHOUT_CUDA();
+  torch::nn::Sequential net = make_mlp();
+  RoundPipe model(net);
+  for (const auto& p : net->parameters()) EXPECT_TRUE(p.is_pinned());
+}
+
+// Allocates far more than any device has.
+struct HogImpl : torch::nn::Cloneable<HogImpl> {
+  void reset() override {}
+  at::Tensor forward(at::Tensor x) { return x + torch::empty({int64_t(1) << 50}, x.options()).sum(); }
+};
+TORCH_MODULE(Hog);
+
+TEST(Gpu, OutOfMemoryIsAClearErrorAndTheModelStaysUsable) {
+  SKIP_WITHOUT_CUDA();
+  torch::nn::Sequential bad(torch::nn::Linear(8, 8), Hog());
+  RoundPipe hog(bad, RoundPipeOptions().set_name("hog"));
+  try {
+    hog.forward(torch::randn({4, 8}));
+    FAIL() << "expected out of memory";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr("RoundPipe model 'hog'"));
+  }
+  torch::nn::Sequential net = make_mlp();
+  RoundPipe model(net);
+  EXPECT_EQ(model.forward(torch::randn({4, 16})).size(0), 4);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace roundpipe
