@@ -1,0 +1,233 @@
+#include "roundpipe/optim/adam.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/serialize.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "optim/checks.h"
+#include "optim/kernels/kernels.h"
+
+namespace roundpipe {
+namespace optim {
+namespace {
+
+using torch::optim::AdamParamState;
+using torch::optim::OptimizerParamGroup;
+
+// Where the options came from, for messages.
+void check_options(const char* name, const AdamOptions& o, const std::string& where) {
+  const double beta1 = std::get<0>(o.betas());
+  const double beta2 = std::get<1>(o.betas());
+  TORCH_CHECK_VALUE(o.lr() >= 0, "roundpipe::optim::", name, ": invalid learning rate ", o.lr(),
+                    " in ", where, " (must be >= 0)");
+  TORCH_CHECK_VALUE(0 <= beta1 && beta1 < 1, "roundpipe::optim::", name,
+                    ": invalid beta parameter at index 0: ", beta1, " in ", where,
+                    " (must be in [0, 1))");
+  TORCH_CHECK_VALUE(0 <= beta2 && beta2 < 1, "roundpipe::optim::", name,
+                    ": invalid beta parameter at index 1: ", beta2, " in ", where,
+                    " (must be in [0, 1))");
+  TORCH_CHECK_VALUE(o.eps() >= 0, "roundpipe::optim::", name, ": invalid epsilon value ", o.eps(),
+                    " in ", where, " (must be >= 0)");
+  TORCH_CHECK_VALUE(o.weight_decay() >= 0, "roundpipe::optim::", name,
+                    ": invalid weight_decay value ", o.weight_decay(), " in ", where,
+                    " (must be >= 0)");
+}
+
+AdamOptions& options_of(const char* name, OptimizerParamGroup& group, size_t index) {
+  auto* options = dynamic_cast<AdamOptions*>(&group.options());
+  TORCH_CHECK_TYPE(options != nullptr, "roundpipe::optim::", name, ": parameter group ", index,
+                   " has options of another optimizer; use roundpipe::optim::AdamOptions");
+  return *options;
+}
+
+void check_groups(const char* name, std::vector<OptimizerParamGroup>& groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    check_options(name, options_of(name, groups[g], g), "parameter group " + std::to_string(g));
+  }
+  detail::check_params(name, groups);
+}
+
+}  // namespace
+
+// ---- AdamOptions ---------------------------------------------------------
+
+AdamOptions::AdamOptions(double lr) : lr_(lr) {}
+
+AdamWOptions::AdamWOptions(double lr) : AdamOptions(lr) {
+  weight_decay(1e-2);
+  decoupled_weight_decay(true);
+}
+
+bool operator==(const AdamOptions& lhs, const AdamOptions& rhs) {
+  return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
+         lhs.weight_decay() == rhs.weight_decay() && lhs.amsgrad() == rhs.amsgrad() &&
+         lhs.maximize() == rhs.maximize() &&
+         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay();
+}
+
+// libtorch's keys first; the two extra ones are optional when loading, so
+// archives written by torch::optim::Adam load too.
+void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  detail::write_option(archive, "lr", lr());
+  detail::write_option(archive, "betas", betas());
+  detail::write_option(archive, "eps", eps());
+  detail::write_option(archive, "weight_decay", weight_decay());
+  detail::write_option(archive, "amsgrad", amsgrad());
+  detail::write_option(archive, "maximize", maximize());
+  detail::write_option(archive, "decoupled_weight_decay", decoupled_weight_decay());
+}
+
+void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  lr(detail::read_option(archive, "lr").toDouble());
+  betas(detail::read_option(archive, "betas").to<betas_t>());
+  eps(detail::read_option(archive, "eps").toDouble());
+  weight_decay(detail::read_option(archive, "weight_decay").toDouble());
+  amsgrad(detail::read_option(archive, "amsgrad").toBool());
+  c10::IValue value;
+  maximize(detail::try_read_option(archive, "maximize", &value) && value.toBool());
+  decoupled_weight_decay(detail::try_read_option(archive, "decoupled_weight_decay", &value) &&
+                         value.toBool());
+}
+
+double AdamOptions::get_lr() const { return lr(); }
+
+void AdamOptions::set_lr(const double lr) { this->lr(lr); }
+
+// ---- Adam ----------------------------------------------------------------
+
+Adam::Adam(const char* name, std::vector<OptimizerParamGroup> param_groups, AdamOptions defaults)
+    : torch::optim::Optimizer(std::move(param_groups), std::make_unique<AdamOptions>(defaults)),
+      name_(name) {
+  check_options(name_, defaults, "the default options");
+  check_groups(name_, param_groups_);
+}
+
+Adam::Adam(std::vector<OptimizerParamGroup> param_groups, AdamOptions defaults)
+    : Adam("Adam", std::move(param_groups), std::move(defaults)) {}
+
+Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
+    : Adam("Adam", {OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+torch::Tensor Adam::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  run_step(nullptr);
+  return loss;
+}
+
+void Adam::step_with_lowp_copy(const std::vector<torch::Tensor>& lowp_copies) {
+  run_step(&lowp_copies);
+}
+
+void Adam::run_step(const std::vector<torch::Tensor>* lowp_copies) {
+  at::NoGradGuard no_grad;
+  // Pass 1: check everything, so that a bad input leaves all unchanged.
+  check_groups(name_, param_groups_);
+  if (lowp_copies != nullptr) {
+    detail::check_lowp_count(name_, lowp_copies->size(), detail::count_params(param_groups_));
+  }
+  int64_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const AdamOptions& options = options_of(name_, param_groups_[g], g);
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i, ++index) {
+      const torch::Tensor& p = params[i];
+      if (!p.grad().defined()) continue;
+      const detail::ParamRef ref{name_, index, g, i};
+      const int64_t n = p.numel();
+      detail::check_grad(ref, p.grad(), p);
+      auto it = state_.find(detail::state_key(p));
+      if (it != state_.end()) {
+        const auto* state = dynamic_cast<const AdamParamState*>(it->second.get());
+        TORCH_CHECK_TYPE(state != nullptr, ref, ": its state is not an AdamParamState");
+        detail::check_companion(ref, "its state 'exp_avg'", state->exp_avg(), n);
+        detail::check_companion(ref, "its state 'exp_avg_sq'", state->exp_avg_sq(), n);
+        if (options.amsgrad() && state->max_exp_avg_sq().defined()) {
+          detail::check_companion(ref, "its state 'max_exp_avg_sq'", state->max_exp_avg_sq(), n);
+        }
+      }
+      if (lowp_copies != nullptr) detail::check_lowp_copy(ref, (*lowp_copies)[index], n);
+    }
+  }
+
+  // Pass 2: update.
+  index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const AdamOptions& options = options_of(name_, param_groups_[g], g);
+    for (const torch::Tensor& p : param_groups_[g].params()) {
+      const int64_t param_index = index++;
+      if (!p.grad().defined()) continue;
+      auto& slot = state_[detail::state_key(p)];
+      if (slot == nullptr) {
+        auto state = std::make_unique<AdamParamState>();
+        state->step(0);
+        state->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        state->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        slot = std::move(state);
+      }
+      auto& state = static_cast<AdamParamState&>(*slot);
+      // Also when amsgrad was switched on after the state was created: the
+      // running maximum starts at 0, i.e. at the current exp_avg_sq.
+      if (options.amsgrad() && !state.max_exp_avg_sq().defined()) {
+        state.max_exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+      }
+      state.step(state.step() + 1);
+      const auto hyper = kernels::make_adam_hyper(
+          options.lr(), std::get<0>(options.betas()), std::get<1>(options.betas()), options.eps(),
+          options.weight_decay(), options.amsgrad(), options.maximize(),
+          options.decoupled_weight_decay(), state.step());
+      kernels::AdamBuffers buffers;
+      buffers.param = p.data_ptr<float>();
+      buffers.grad = p.grad().data_ptr<float>();
+      buffers.exp_avg = state.exp_avg().data_ptr<float>();
+      buffers.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
+      if (options.amsgrad()) buffers.max_exp_avg_sq = state.max_exp_avg_sq().data_ptr<float>();
+      if (lowp_copies != nullptr) {
+        const torch::Tensor& copy = (*lowp_copies)[param_index];
+        std::tie(buffers.lowp, buffers.lowp_kind) = detail::lowp_target(copy);
+        if (copy.defined()) detail::bump_version(copy);
+      }
+      detail::bump_version(p);
+      kernels::adam_update(hyper, buffers, p.numel());
+    }
+  }
+}
+
+void Adam::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<AdamParamState, AdamOptions>(archive, *this);
+}
+
+void Adam::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<AdamParamState, AdamOptions>(archive, *this);
+}
+
+// ---- AdamW ---------------------------------------------------------------
+
+AdamW::AdamW(std::vector<OptimizerParamGroup> param_groups, AdamOptions defaults)
+    : Adam("AdamW", std::move(param_groups), std::move(defaults.decoupled_weight_decay(true))) {
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    options_of("AdamW", param_groups_[g], g).decoupled_weight_decay(true);
+  }
+}
+
+AdamW::AdamW(std::vector<torch::Tensor> params, AdamOptions defaults)
+    : AdamW({OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+void AdamW::load(torch::serialize::InputArchive& archive) {
+  Adam::load(archive);
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    options_of("AdamW", param_groups_[g], g).decoupled_weight_decay(true);
+  }
+}
+
+}  // namespace optim
+}  // namespace roundpipe

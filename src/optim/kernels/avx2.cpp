@@ -1,0 +1,102 @@
+// The AVX2 kernels (8 floats per vector). Compiled with -mavx2 -mfma
+// -ffp-contract=off; called only after the dispatcher checked the CPU.
+#include "optim/kernels/isa_kernels.h"
+
+#if defined(__x86_64__) && defined(__AVX2__)
+
+#include <immintrin.h>
+
+#include "optim/kernels/kernel_impl.h"
+
+namespace roundpipe {
+namespace optim {
+namespace kernels {
+namespace {
+
+inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+
+struct Avx2Ops {
+  static constexpr int64_t kWidth = 8;
+  using V = __m256;
+  using Flag = __m256i;  // all-ones lanes where a non-finite value was seen
+
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V neg(V a) { return _mm256_xor_ps(a, _mm256_castsi256_ps(splat(0x80000000u))); }
+
+  // Eight 32-bit lanes holding values <= 0xFFFF -> eight uint16_t.
+  static void store_u16(uint16_t* dst, __m256i x) {
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+  }
+  static __m256i nan_mask(V v) { return _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+
+  // Lane-wise ScalarOps::bf16_bits.
+  static void store_bf16(uint16_t* dst, V v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), splat(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, splat(0x7FFF))), 16);
+    store_u16(dst, _mm256_blendv_epi8(rounded, splat(0x7FC0), nan_mask(v)));
+  }
+
+  // Lane-wise ScalarOps::fp16_bits.
+  static void store_fp16(uint16_t* dst, V v) {
+    const __m256i w = _mm256_castps_si256(v);
+    const V abs = _mm256_castsi256_ps(_mm256_and_si256(w, splat(0x7FFFFFFFu)));
+    V base = _mm256_mul_ps(_mm256_mul_ps(abs, set1(kScaleToInf)), set1(kScaleToZero));
+    const __m256i shl1_w = _mm256_add_epi32(w, w);
+    const __m256i sign = _mm256_and_si256(w, splat(0x80000000u));
+    const __m256i bias =
+        _mm256_max_epu32(_mm256_and_si256(shl1_w, splat(0xFF000000u)), splat(0x71000000u));
+    base = _mm256_add_ps(
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_srli_epi32(bias, 1), splat(0x07800000u))),
+        base);
+    const __m256i bits = _mm256_castps_si256(base);
+    const __m256i exp_bits = _mm256_and_si256(_mm256_srli_epi32(bits, 13), splat(0x7C00u));
+    const __m256i mantissa_bits = _mm256_and_si256(bits, splat(0xFFFu));
+    const __m256i nonsign = _mm256_add_epi32(exp_bits, mantissa_bits);
+    store_u16(dst, _mm256_or_si256(_mm256_srli_epi32(sign, 16),
+                                   _mm256_blendv_epi8(nonsign, splat(0x7E00u), nan_mask(v))));
+  }
+
+  static Flag flag_none() { return _mm256_setzero_si256(); }
+  static Flag flag_nonfinite(Flag f, V v) {
+    const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(v), splat(0x7F800000u));
+    return _mm256_or_si256(f, _mm256_cmpeq_epi32(exponent, splat(0x7F800000u)));
+  }
+  static bool flag_any(Flag f) { return !_mm256_testz_si256(f, f); }
+};
+
+constexpr detail::KernelTable kAvx2Table = make_table<Avx2Ops>();
+
+}  // namespace
+
+namespace detail {
+const KernelTable* avx2_kernels() { return &kAvx2Table; }
+}  // namespace detail
+
+}  // namespace kernels
+}  // namespace optim
+}  // namespace roundpipe
+
+#else  // not built for x86 with AVX2 flags
+
+namespace roundpipe {
+namespace optim {
+namespace kernels {
+namespace detail {
+const KernelTable* avx2_kernels() { return nullptr; }
+}  // namespace detail
+}  // namespace kernels
+}  // namespace optim
+}  // namespace roundpipe
+
+#endif

@@ -1,0 +1,70 @@
+// The portable kernels: plain C++, the reference for the SIMD paths and the
+// path of non-x86 builds. Its main loop works on 4 floats at a time with the
+// compiler's generic vector types (SSE2 on x86-64, NEON on arm64); lane-wise
+// sqrt is vectorized thanks to -fno-math-errno. The results are the same IEEE
+// operations as ScalarOps performs, element by element.
+#include "optim/kernels/kernel_impl.h"
+
+namespace roundpipe {
+namespace optim {
+namespace kernels {
+namespace {
+
+#if defined(__GNUC__)  // GCC and Clang
+struct PortableOps {
+  static constexpr int64_t kWidth = 4;
+  // A GCC/Clang vector extension type (16 bytes: SSE2 and NEON registers):
+  // element-wise operators in the target's vector instructions.
+  typedef float V __attribute__((vector_size(16)));
+  using Flag = bool;
+
+  static V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+  static V set1(float a) { return V{a, a, a, a}; }
+  static V add(V a, V b) { return a + b; }
+  static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V sqrt(V a) {
+    for (int i = 0; i < kWidth; ++i) a[i] = ScalarOps::sqrt(a[i]);
+    return a;
+  }
+  static V max(V a, V b) {
+    for (int i = 0; i < kWidth; ++i) a[i] = ScalarOps::max(a[i], b[i]);
+    return a;
+  }
+  static V neg(V a) { return -a; }
+  static void store_bf16(uint16_t* dst, V v) {
+    for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::bf16_bits(v[i]);
+  }
+  static void store_fp16(uint16_t* dst, V v) {
+    for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::fp16_bits(v[i]);
+  }
+  static Flag flag_none() { return false; }
+  static Flag flag_nonfinite(Flag f, V v) {
+    for (int i = 0; i < kWidth; ++i) f = ScalarOps::flag_nonfinite(f, v[i]);
+    return f;
+  }
+  static bool flag_any(Flag f) { return f; }
+};
+#else
+using PortableOps = ScalarOps;
+#endif
+
+}  // namespace
+
+namespace detail {
+
+namespace {
+constexpr KernelTable kScalarTable = make_table<PortableOps>();
+}  // namespace
+
+const KernelTable* scalar_kernels() { return &kScalarTable; }
+
+}  // namespace detail
+}  // namespace kernels
+}  // namespace optim
+}  // namespace roundpipe
