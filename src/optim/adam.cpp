@@ -191,11 +191,7 @@ void Adam::run_step(const std::vector<torch::Tensor>* lowp_copies) {
       buffers.exp_avg = state.exp_avg().data_ptr<float>();
       buffers.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
       if (options.amsgrad()) buffers.max_exp_avg_sq = state.max_exp_avg_sq().data_ptr<float>();
-      if (lowp_copies != nullptr) {
-        const torch::Tensor& copy = (*lowp_copies)[param_index];
-        std::tie(buffers.lowp, buffers.lowp_kind) = detail::lowp_target(copy);
-        if (copy.defined()) detail::bump_version(copy);
-      }
+      std::tie(buffers.lowp, buffers.lowp_kind) = detail::claim_lowp_target(lowp_copies, param_index);
       detail::bump_version(p);
       kernels::adam_update(hyper, buffers, p.numel());
     }

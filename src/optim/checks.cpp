@@ -102,8 +102,11 @@ void check_lowp_count(const char* optimizer, size_t given, size_t expected) {
                     " parameters (one entry per parameter, undefined for none)");
 }
 
-std::pair<uint16_t*, kernels::LowpKind> lowp_target(const at::Tensor& copy) {
-  if (!copy.defined()) return {nullptr, kernels::LowpKind::kNone};
+std::pair<uint16_t*, kernels::LowpKind> claim_lowp_target(const std::vector<at::Tensor>* copies,
+                                                          size_t index) {
+  if (copies == nullptr || !(*copies)[index].defined()) return {nullptr, kernels::LowpKind::kNone};
+  const at::Tensor& copy = (*copies)[index];
+  bump_version(copy);
   const auto kind = copy.scalar_type() == at::kBFloat16 ? kernels::LowpKind::kBFloat16
                                                         : kernels::LowpKind::kFloat16;
   return {static_cast<uint16_t*>(copy.data_ptr()), kind};

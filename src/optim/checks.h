@@ -61,8 +61,11 @@ kernels::LowpKind check_lowp_copy(const ParamRef& ref, const at::Tensor& copy, i
 // `lowp_copies` has one entry per parameter.
 void check_lowp_count(const char* optimizer, size_t given, size_t expected);
 
-// The copy's data as uint16_t*, and its kind (kNone, null for undefined).
-std::pair<uint16_t*, kernels::LowpKind> lowp_target(const at::Tensor& copy);
+// Where parameter `index`'s update also writes its low-precision copy: the
+// copy's data as uint16_t* and its kind ({null, kNone} without copies or for
+// an undefined entry). Records the coming write in the copy's version.
+std::pair<uint16_t*, kernels::LowpKind> claim_lowp_target(const std::vector<at::Tensor>* copies,
+                                                          size_t index);
 
 // Records an in-place write made through a raw pointer, as an in-place op would.
 void bump_version(const at::Tensor& t);

@@ -164,11 +164,7 @@ void SGD::run_step(const std::vector<torch::Tensor>* lowp_copies) {
           options.nesterov(), options.maximize(), first_step);
       buffers.param = p.data_ptr<float>();
       buffers.grad = p.grad().data_ptr<float>();
-      if (lowp_copies != nullptr) {
-        const torch::Tensor& copy = (*lowp_copies)[param_index];
-        std::tie(buffers.lowp, buffers.lowp_kind) = detail::lowp_target(copy);
-        if (copy.defined()) detail::bump_version(copy);
-      }
+      std::tie(buffers.lowp, buffers.lowp_kind) = detail::claim_lowp_target(lowp_copies, param_index);
       detail::bump_version(p);
       kernels::sgd_update(hyper, buffers, p.numel());
     }
