@@ -135,6 +135,12 @@ class RoundPipe {
   // a shape mismatch is always one.
   void load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict = true);
 
+  // Copies the model's parameters into the optimizer copies (after waiting
+  // for queued work). Call it after changing the weights by other means than
+  // load_state_dict (e.g. loading into the wrapped model directly), or the
+  // next step would undo the change.
+  void refresh_optimizer_copies();
+
   void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const;

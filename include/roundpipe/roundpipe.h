@@ -4,6 +4,7 @@
 #pragma once
 
 #include <roundpipe/devices.h>
+#include <roundpipe/grad_scaler.h>
 #include <roundpipe/layer.h>
 #include <roundpipe/microbatch.h>
 #include <roundpipe/model.h>

@@ -6,6 +6,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "engine/value_tree.h"
+
 namespace roundpipe {
 
 // ---------------------------------------------------------------------------
@@ -329,6 +331,12 @@ bool leaves_equal(const c10::IValue& a, const c10::IValue& b) {
     return a.isTensor() && b.isTensor() && tensors_equal(a.toTensor(), b.toTensor());
   }
   if (a.isObject() || b.isObject()) return a.isSameIdentity(b);
+  if (a.isCapsule() || b.isCapsule()) {
+    if (!a.isCapsule() || !b.isCapsule()) return false;
+    auto* x = dynamic_cast<const OpaqueLeaf*>(a.toCapsule().get());
+    auto* y = dynamic_cast<const OpaqueLeaf*>(b.toCapsule().get());
+    return x != nullptr && y != nullptr ? x->equals(*y) : a.isSameIdentity(b);
+  }
   try {
     return a == b;
   } catch (const c10::Error&) {  // e.g. a leaf dict holding tensors

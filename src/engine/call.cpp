@@ -96,7 +96,11 @@ void rethrow_with_context(std::exception_ptr error, const std::string& context) 
   } catch (c10::Error& e) {
     e.add_context(context);  // same object, same type
     throw;
-  } catch (const std::exception& e) {
+  } catch (std::exception& e) {
+    if (auto* contextual = dynamic_cast<ContextualError*>(&e)) {
+      contextual->add_context(context);
+      throw;
+    }
     // Standard exceptions cannot take context in place: rebuild the common
     // ones with the context appended; rethrow anything else unchanged.
     const std::type_info& type = typeid(e);

@@ -118,6 +118,15 @@ struct Cancelled {};
 // errors are recorded in the call.
 void run_job(const std::shared_ptr<Call>& call, size_t j, Device& device);
 
+// An exception that is not a c10::Error but takes the engine's context in
+// place, so it keeps its identity (a language binding's errors, e.g. a Python
+// exception that must reach Python as its own class).
+class ContextualError {
+ public:
+  virtual ~ContextualError() = default;
+  virtual void add_context(const std::string& context) = 0;
+};
+
 // Rethrows `error` with `context` added, keeping the exception's type.
 [[noreturn]] void rethrow_with_context(std::exception_ptr error, const std::string& context);
 

@@ -174,6 +174,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // Waits until the optimizer thread has run everything queued so far.
   void drain_optimizer();
   // Optimizer copies -> model parameters (cast to the model dtype).
+  // Optimizer copies <- model parameters (after the model's weights were loaded).
+  void copy_model_to_optimizer();
   void write_model_parameters();
   void step(StepFn step_fn, bool is_async);
   void synchronize();

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "engine/model_impl.h"
+#include "engine/optimizer_thread.h"
 #include "roundpipe/optimizer.h"
 
 namespace roundpipe {
@@ -42,7 +43,7 @@ void RoundPipe::Impl::make_optimizer_copies(c10::optional<at::ScalarType> optim_
     TORCH_CHECK_TYPE(at::isFloatingType(dtype), "optim_dtype must be a floating-point type, got ", dtype);
     p.optim = p.master.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
   }
-  optimizer_thread = std::make_unique<WorkerThread>();
+  optimizer_thread = std::make_unique<WorkerThread>(detail::mark_optimizer_thread);
 }
 
 void RoundPipe::Impl::rethrow_step_error() {
@@ -84,6 +85,7 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
   drain_optimizer();
   rethrow_step_error();
   const int64_t k = ++steps_issued;
+  detail::note_stepping_model(weak_from_this());  // where run_on_optimizer_thread goes
   const bool delayed = is_async && k > get_sync_warmup_steps();
   model_behind_optimizer = delayed;
 
@@ -119,6 +121,7 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
     optim_cv.notify_all();
   };
   optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, writes_done] {
+    detail::begin_step_task();
     bool ok = true;
     try {
       at::NoGradGuard no_grad;
@@ -249,7 +252,20 @@ void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Ten
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.detach().copy_(src);
   // Refresh the optimizer copies, or the next step would undo the load.
-  for (HostParam& p : impl_->store->params()) {
+  impl_->model_behind_optimizer = false;
+  impl_->copy_model_to_optimizer();
+}
+
+void RoundPipe::refresh_optimizer_copies() {
+  impl_->drain_optimizer();
+  impl_->rethrow_step_error();
+  impl_->model_behind_optimizer = false;
+  impl_->copy_model_to_optimizer();
+}
+
+void RoundPipe::Impl::copy_model_to_optimizer() {
+  at::NoGradGuard no_grad;
+  for (HostParam& p : store->params()) {
     if (p.optim.defined()) p.optim.detach().copy_(p.master.detach());
   }
 }

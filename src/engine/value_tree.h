@@ -23,4 +23,10 @@ c10::IValue replace_tensors(const c10::IValue& value, const std::vector<at::Tens
 c10::IValue tensors_to_ivalue(const std::vector<at::Tensor>& tensors);
 std::vector<at::Tensor> tensors_from_ivalue(const c10::IValue& value);
 
+// A leaf carried as an IValue Capsule by a language binding (e.g. a Python
+// object). Merging compares such leaves across microbatches with equals().
+struct OpaqueLeaf : torch::CustomClassHolder {
+  virtual bool equals(const OpaqueLeaf& other) const = 0;
+};
+
 }  // namespace roundpipe

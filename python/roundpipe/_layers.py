@@ -1,0 +1,73 @@
+"""The engine's handle on one user layer (an ``nn.Module``).
+
+Each device runs its own replica of the layer: a deep copy made without the
+tensors' data (parameters and buffers are replaced by empty placeholders in
+the copy), whose placeholders the engine points at the device tensors of each
+job. Tied tensors stay tied in the replica (one placeholder for all slots).
+"""
+import copy
+
+import torch
+
+
+class LayerAdapter:
+    def __init__(self, module, index):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"RoundPipe: layer {index} is a {type(module).__name__}, not a torch.nn.Module")
+        self.module = module
+        self.index = index
+        self.type_name = type(module).__qualname__
+        named_params = list(module.named_parameters())
+        named_buffers = [(n, b) for n, b in module.named_buffers() if b is not None]
+        for what, items in (("parameter", named_params), ("buffer", named_buffers)):
+            for name, t in items:
+                if t.device.type != "cpu":
+                    raise ValueError(
+                        f"RoundPipe: layer {index} ({self.type_name}) {what} '{name}' is on "
+                        f"{t.device}; RoundPipe keeps the model on the CPU: move it there first")
+        self.param_names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.buffer_names = [n for n, _ in named_buffers]
+        self.buffers = [b for _, b in named_buffers]
+
+    def make_replica(self):
+        memo = {}
+        for p in self.params:
+            memo[id(p)] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype),
+                                             requires_grad=p.requires_grad)
+        for b in self.buffers:
+            memo[id(b)] = torch.empty(0, dtype=b.dtype)
+        replica = copy.deepcopy(self.module, memo)
+        return Replica(self.module, replica, self.param_names, self.buffer_names)
+
+
+class Replica:
+    def __init__(self, master, module, param_names, buffer_names):
+        self.module = module
+        # The replica mirrors the master's training flags (set per submodule).
+        self.pairs = list(zip(master.modules(), module.modules()))
+        self.params = [module.get_parameter(n) for n in param_names]
+        self.buffers = [module.get_buffer(n) for n in buffer_names]
+        self.buffer_slots = []
+        for name in buffer_names:
+            owner, _, attr = name.rpartition(".")
+            self.buffer_slots.append((module.get_submodule(owner) if owner else module, attr))
+
+    def __call__(self, args, kwargs):
+        for master, replica in self.pairs:
+            replica.training = master.training
+        return self.module(*args, **kwargs)
+
+    def restore_buffers(self):
+        """Puts the bound buffer variables back into the module's slots."""
+        for (owner, attr), bound in zip(self.buffer_slots, self.buffers):
+            owner._buffers[attr] = bound
+
+    def take_buffers(self):
+        """The buffers as the module holds them now; puts the bound ones back."""
+        out = []
+        for (owner, attr), bound in zip(self.buffer_slots, self.buffers):
+            out.append(owner._buffers[attr])
+            owner._buffers[attr] = bound
+        return out

@@ -1,0 +1,275 @@
+"""RoundPipe: a host-resident model run as a pipeline over the devices (SPEC 4.1)."""
+import atexit
+import functools
+import os
+import sys
+import weakref
+
+import torch
+from torch import nn
+
+from . import _C
+from .run_config import RoundPipeRunConfig
+
+_PIN_MODES = ("alloc", "register", "off")
+
+
+# Models still alive when the interpreter exits are closed first: their
+# engine threads may need the interpreter to release Python objects.
+_live_engines = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines():
+    for engine in list(_live_engines):
+        engine.close()
+
+
+def _default_loss_fn(outputs, labels):
+    return outputs
+
+
+def _caller_name(depth=2):
+    frame = sys._getframe(depth)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class RoundPipe:
+    """Wraps ``model`` (an ``nn.Sequential``: each child is a layer; any other
+    ``nn.Module``: one layer). Parameters and buffers must be on the CPU: they
+    stay the master copy, moved into one contiguous host arena per layer (the
+    module's tensors keep their identity).
+
+    - ``optim_dtype``: dtype of the optimizer copies (default: the parameters'
+      dtype), e.g. fp16/bf16 model with fp32 optimizer copies.
+    - ``name``: shown in errors, logs and traces (default ``"<file>:<line>"``).
+    - ``model_run_config``: defaults for every call (RoundPipeRunConfig).
+    - ``pin_model``: ``"alloc"`` (page-locked arenas), ``"register"``,
+      ``"off"``; pinning applies only when the devices are GPUs.
+
+    Attribute reads, writes and deletes that RoundPipe does not define fall
+    through to the wrapped model (or to the one given to set_original_model).
+    """
+
+    _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
+                      "_optim_dtype", "_run_config", "_optim_by_master"))
+
+    def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc"):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"RoundPipe: model must be a torch.nn.Module, got {type(model).__name__}")
+        if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
+            raise TypeError(f"RoundPipe: optim_dtype must be a torch.dtype or None, got {optim_dtype!r}")
+        if pin_model not in _PIN_MODES:
+            raise ValueError(f"RoundPipe: pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
+        if model_run_config is None:
+            model_run_config = RoundPipeRunConfig()
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError("RoundPipe: model_run_config must be a RoundPipeRunConfig")
+        if name is None:
+            name = _caller_name()
+        own = self.__dict__
+        own["model"] = model
+        own["name"] = str(name)
+        own["_original"] = None
+        own["_optim_dtype"] = optim_dtype
+        own["_run_config"] = model_run_config
+        if isinstance(model, nn.Sequential):
+            if len(model) == 0:
+                raise ValueError("RoundPipe: the Sequential has no layers")
+            items = list(model._modules.items())
+            own["_layers"] = [m for _, m in items]
+            own["_layer_prefixes"] = [k + "." for k, _ in items]
+        else:
+            own["_layers"] = [model]
+            own["_layer_prefixes"] = [""]
+        own["_engine"] = None
+        self._build_engine()
+
+    def _build_engine(self):
+        own = self.__dict__
+        own["_engine"] = _C.Engine(self._layers, self.name, self._optim_dtype, self._run_config)
+        _live_engines.add(self._engine)
+        # Optimizer copy of each master parameter (for named access and ties).
+        by_master = {}
+        for engine_name, copy in self._engine.optim_named_parameters():
+            layer, _, rest = engine_name.partition(".")
+            master = self._layers[int(layer)].get_parameter(rest)
+            by_master[id(master)] = copy
+        own["_optim_by_master"] = by_master
+
+    # ---- calls -------------------------------------------------------------
+
+    def forward(self, *args, roundpipe_run_config=None, **kwargs):
+        """Splits the batch into microbatches, runs the pipeline, merges the
+        outputs (on the CPU by default). With grad mode on, the outputs carry
+        autograd history: ``loss.backward()`` runs the backward stages."""
+        return self._engine.forward(args, kwargs, roundpipe_run_config)
+
+    __call__ = forward
+
+    def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=_default_loss_fn,
+                         return_outputs=False, run_config=None):
+        """Forward and backward fused in one pipeline; exactly::
+
+            for args_m, kwargs_m, label_m in split(input_args, input_kwargs, label):
+                loss_m = loss_fn(model(*args_m, **kwargs_m), label_m)
+                torch.autograd.backward(loss_m)
+
+        Returns the sum of the microbatch losses (CPU, detached; a list of sums
+        if loss_fn returns a sequence), and the merged outputs as well when
+        ``return_outputs``."""
+        if isinstance(input_args, list):
+            input_args = tuple(input_args)
+        if not isinstance(input_args, tuple):
+            raise TypeError(f"forward_backward: input_args must be a tuple, got {type(input_args).__name__}"
+                            " (pass input_args=(x,) for one input)")
+        if input_kwargs is None:
+            input_kwargs = {}
+        if not isinstance(input_kwargs, dict):
+            raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("forward_backward: loss_fn must be callable")
+        out = self._engine.forward_backward(input_args, input_kwargs, label, loss_fn, bool(return_outputs),
+                                            run_config)
+        return tuple(out) if return_outputs else out
+
+    def step(self, step_fn, is_async=True, *args, **kwargs):
+        """Queues on the optimizer thread: handing the gradients of every call
+        so far to the optimizer copies' ``.grad``, then ``step_fn(*args,
+        **kwargs)``. ``is_async=False`` waits, and later calls see the new
+        parameters; ``is_async=True`` returns at once, and later calls see the
+        parameters from before this step (one-step delay)."""
+        if not callable(step_fn):
+            raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
+        fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
+        self._engine.step(fn, bool(is_async))
+
+    def synchronize(self):
+        """Waits for queued work; then the parameters hold the latest optimizer
+        result and ``.grad`` the gradients not yet handed to an optimizer."""
+        self._engine.synchronize()
+
+    # ---- parameters --------------------------------------------------------
+
+    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+        """The optimizer copies, named like the model's parameters."""
+        seen = set()
+        for mod_name, module in self.model.named_modules(remove_duplicate=False):
+            for name, p in module._parameters.items():
+                if p is None or id(p) not in self._optim_by_master:
+                    continue
+                if remove_duplicate:
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                full = f"{mod_name}.{name}" if mod_name else name
+                yield (f"{prefix}.{full}" if prefix else full), self._optim_by_master[id(p)]
+
+    def optim_parameters(self):
+        """The optimizer copies: one per trainable parameter, tied ones once."""
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """The model's parameters; the optimizer copies inside an OptimizerCtx
+        and inside a step_fn."""
+        if _C.optimizer_ctx_active():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        if remove_duplicate:
+            return self.model.named_parameters(prefix=prefix, recurse=recurse)
+        return self._all_named_parameters(prefix)
+
+    def _all_named_parameters(self, prefix):
+        for mod_name, module in self.model.named_modules(remove_duplicate=False):
+            for name, p in module._parameters.items():
+                if p is not None:
+                    full = f"{mod_name}.{name}" if mod_name else name
+                    yield (f"{prefix}.{full}" if prefix else full), p
+
+    def parameters(self, recurse=True):
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    # ---- module behaviour --------------------------------------------------
+
+    def train(self, mode=True):
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.model.train(mode)
+        self._engine.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    @property
+    def training(self):
+        return self.model.training
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped model's state dict (call synchronize() first for the
+        latest optimizer result)."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads into the wrapped model and refreshes the optimizer copies, so
+        the next step does not undo the load."""
+        self.synchronize()
+        result = self.model.load_state_dict(state_dict, strict=strict)
+        self._engine.refresh_optimizer_copies()
+        return result
+
+    def to(self, *args, **kwargs):
+        """``to(dtype)`` converts the model's floating-point tensors and rebuilds
+        the pipeline (and its optimizer copies: create optimizers afterwards).
+        Devices: the model stays on the CPU (ValueError otherwise)."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"RoundPipe keeps the model on the CPU (the devices get copies of each stage); "
+                             f"to({device}) is not supported")
+        if dtype is None:
+            return self
+        self.synchronize()
+        self._engine.close()
+        self.model.to(dtype)
+        self._build_engine()
+        return self
+
+    def set_original_model(self, model):
+        """Attribute access falls through to ``model`` instead of the wrapped one."""
+        self.__dict__["_original"] = model
+
+    def num_devices(self):
+        return self._engine.num_devices()
+
+    def default_execute_plan(self, run_type):
+        """The plan a call of ``run_type`` ("infer", "train", "fused") uses when
+        its run config has none."""
+        return self._engine.default_execute_plan(run_type)
+
+    # ---- attribute fall-through -------------------------------------------
+
+    def _target(self):
+        own = self.__dict__
+        return own["_original"] if own.get("_original") is not None else own["model"]
+
+    def __getattr__(self, name):
+        own = self.__dict__
+        if "model" not in own:
+            raise AttributeError(name)
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name, value):
+        if name in RoundPipe._OWN or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._target(), name, value)
+
+    def __delattr__(self, name):
+        if name in RoundPipe._OWN or hasattr(type(self), name):
+            object.__delattr__(self, name)
+        else:
+            delattr(self._target(), name)
+
+    def __repr__(self):
+        return f"RoundPipe(name={self.name!r}, layers={len(self._layers)}, model={self.model!r})"

@@ -1,0 +1,53 @@
+"""RoundPipeRunConfig: per-model and per-call settings (SPEC 4.5)."""
+
+_FIELDS = ("num_microbatch", "recompute_grain", "output_device", "preserve_rng_state",
+           "requires_grad", "split_input", "split_label", "merge_output", "execute_plan")
+
+
+class RoundPipeRunConfig:
+    """Settings of a call. Every field defaults to None = inherit: a call's
+    config overrides the model's (``model_run_config``), which overrides the
+    built-in defaults:
+
+    - ``num_microbatch``: number of devices + 1 (reduced, with a warning, to a
+      smaller batch size).
+    - ``recompute_grain``: ``"stage"`` or ``"layer"`` (lower peak device memory).
+    - ``output_device``: the CPU; a device keeps outputs there.
+    - ``preserve_rng_state``: True.
+    - ``requires_grad``: ``torch.is_grad_enabled()``.
+    - ``split_input``: ``(args_spec, kwargs_spec)`` or a function
+      ``(args, kwargs, n) -> (args_list, kwargs_list)``; automatic otherwise.
+    - ``split_label``: a spec or a function ``(label, n) -> list``.
+    - ``merge_output``: a spec, a function ``(outputs) -> merged``, or False
+      (per-microbatch values for chaining models).
+    - ``execute_plan``: a ModelExecutePlan.
+    """
+
+    __slots__ = _FIELDS
+
+    def __init__(self, num_microbatch=None, recompute_grain=None, output_device=None,
+                 preserve_rng_state=None, requires_grad=None, split_input=None, split_label=None,
+                 merge_output=None, execute_plan=None):
+        if num_microbatch is not None:
+            if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
+                raise TypeError(f"num_microbatch must be an int, got {type(num_microbatch).__name__}")
+            if num_microbatch < 1:
+                raise ValueError(f"num_microbatch must be >= 1, got {num_microbatch}")
+        if recompute_grain not in (None, "stage", "layer"):
+            raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {recompute_grain!r}")
+        for name, value in (("preserve_rng_state", preserve_rng_state), ("requires_grad", requires_grad)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        self.num_microbatch = num_microbatch
+        self.recompute_grain = recompute_grain
+        self.output_device = output_device
+        self.preserve_rng_state = preserve_rng_state
+        self.requires_grad = requires_grad
+        self.split_input = split_input
+        self.split_label = split_label
+        self.merge_output = merge_output
+        self.execute_plan = execute_plan
+
+    def __repr__(self):
+        set_fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS if getattr(self, f) is not None)
+        return f"RoundPipeRunConfig({set_fields})"

@@ -1,0 +1,198 @@
+// roundpipe._C: the engine for Python. The Python package (python/roundpipe)
+// builds the documented API on these bindings.
+#include <torch/csrc/Dtype.h>
+
+#include <functional>
+#include <memory>
+
+#include "engine/layer.h"
+#include "python/py_layer.h"
+#include "python/python_common.h"
+#include "python/run_config.h"
+#include "python/values.h"
+#include "roundpipe/devices.h"
+#include "roundpipe/model.h"
+#include "roundpipe/optimizer.h"
+#include "roundpipe/recompute.h"
+
+namespace roundpipe {
+namespace python {
+
+void bind_optim(py::module_& m);
+void bind_grad_scaler(py::module_& m);
+
+namespace {
+
+// A RoundPipe model driven from Python.
+class Engine {
+ public:
+  Engine(const py::list& modules, const std::string& name, const py::object& optim_dtype,
+         const py::object& run_config) {
+    RoundPipeOptions options;
+    options.name = name;
+    options.run_config = to_run_config(run_config);
+    if (!optim_dtype.is_none()) {
+      TORCH_CHECK_TYPE(THPDtype_Check(optim_dtype.ptr()), "optim_dtype must be a torch.dtype or None");
+      options.optim_dtype = reinterpret_cast<THPDtype*>(optim_dtype.ptr())->scalar_type;
+    }
+    std::vector<std::shared_ptr<Layer>> layers;
+    for (size_t i = 0; i < modules.size(); ++i) {
+      auto layer = make_py_layer(modules[i], static_cast<int64_t>(i));
+      py_layers_.push_back(layer);
+      layers.push_back(std::move(layer));
+    }
+    py::gil_scoped_release nogil;  // packing the arenas may take a while
+    model_ = std::make_unique<RoundPipe>(std::move(layers), std::move(options));
+  }
+
+  ~Engine() {
+    // Device and optimizer threads may need the GIL to finish their work.
+    py::gil_scoped_release nogil;
+    model_.reset();
+  }
+
+  py::object forward(const py::tuple& args, const py::dict& kwargs, const py::object& run_config) {
+    RunConfig cfg = prepare(run_config);
+    auto a = args_to_ivalues(args);
+    auto k = kwargs_to_ivalues(kwargs);
+    c10::IValue out;
+    {
+      py::gil_scoped_release nogil;
+      out = model().forward(std::move(a), std::move(k), cfg);
+    }
+    return to_python(out);
+  }
+
+  py::object forward_backward(const py::tuple& args, const py::dict& kwargs, const py::object& label,
+                              const py::object& loss_fn, bool return_outputs, const py::object& run_config) {
+    RunConfig cfg = prepare(run_config);
+    auto a = args_to_ivalues(args);
+    auto k = kwargs_to_ivalues(kwargs);
+    c10::IValue l = to_ivalue(label);
+    TORCH_CHECK_TYPE(PyCallable_Check(loss_fn.ptr()), "forward_backward: loss_fn must be callable");
+    SharedPyObject fn(loss_fn);
+    LossFn wrapped = [fn](const c10::IValue& outputs, const c10::IValue& labels) {
+      return call_python([&] { return to_ivalue(fn.get()(to_python(outputs), to_python(labels))); });
+    };
+    c10::IValue out;
+    {
+      py::gil_scoped_release nogil;
+      out = model().forward_backward(std::move(a), std::move(k), std::move(l), wrapped, return_outputs, cfg);
+    }
+    return to_python(out);
+  }
+
+  void step(const py::object& step_fn, bool is_async) {
+    TORCH_CHECK_TYPE(PyCallable_Check(step_fn.ptr()), "step: step_fn must be callable");
+    SharedPyObject fn(step_fn);
+    StepFn wrapped = [fn] { call_python([&] { fn.get()(); }); };
+    py::gil_scoped_release nogil;
+    model().step(std::move(wrapped), is_async);
+  }
+
+  void synchronize() {
+    py::gil_scoped_release nogil;
+    model().synchronize();
+  }
+
+  void refresh_optimizer_copies() {
+    py::gil_scoped_release nogil;
+    model().refresh_optimizer_copies();
+  }
+
+  py::list optim_named_parameters() {
+    py::list out;
+    for (auto& [name, t] : model().optim_named_parameters()) out.append(py::make_tuple(name, t));
+    return out;
+  }
+
+  void train(bool on) {
+    for (auto& l : py_layers_) l->refresh_mode();
+    model().train(on);
+  }
+
+  int64_t num_devices() { return model().num_devices(); }
+
+  py::object default_execute_plan(const std::string& kind) {
+    RunKind k = kind == "infer" ? RunKind::kInfer : kind == "train" ? RunKind::kTrain : RunKind::kFused;
+    TORCH_CHECK_VALUE(kind == "infer" || kind == "train" || kind == "fused",
+                      "run_type must be 'infer', 'train' or 'fused', got '", kind, "'");
+    return plan_to_python(model().default_execute_plan(k));
+  }
+
+  void close() {
+    py::gil_scoped_release nogil;
+    model_.reset();
+  }
+
+ private:
+  RoundPipe& model() {
+    TORCH_CHECK(model_ != nullptr, "this RoundPipe model was closed");
+    return *model_;
+  }
+
+  // The call's run config, and the layers' training flags as the user left them.
+  RunConfig prepare(const py::object& run_config) {
+    for (auto& l : py_layers_) l->refresh_mode();
+    return to_run_config(run_config);
+  }
+
+  std::vector<std::shared_ptr<PyLayer>> py_layers_;
+  std::unique_ptr<RoundPipe> model_;
+};
+
+void translate_errors(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (::python_error& e) {
+    e.restore();
+  } catch (const c10::IndexError& e) {
+    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::NotImplementedError& e) {
+    PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "The roundpipe engine (C++); use the roundpipe package.";
+  py::register_exception_translator(&translate_errors);
+  bind_values(m);
+  bind_optim(m);
+  bind_grad_scaler(m);
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&>())
+      .def("forward", &Engine::forward)
+      .def("forward_backward", &Engine::forward_backward)
+      .def("step", &Engine::step)
+      .def("synchronize", &Engine::synchronize)
+      .def("refresh_optimizer_copies", &Engine::refresh_optimizer_copies)
+      .def("optim_named_parameters", &Engine::optim_named_parameters)
+      .def("train", &Engine::train)
+      .def("num_devices", &Engine::num_devices)
+      .def("default_execute_plan", &Engine::default_execute_plan)
+      .def("close", &Engine::close);
+
+  m.def("get_num_devices", &get_num_devices, py::call_guard<py::gil_scoped_release>());
+  m.def("get_device_names", &get_device_names, py::call_guard<py::gil_scoped_release>());
+  m.def("set_sync_warmup_steps", &set_sync_warmup_steps);
+  m.def("get_sync_warmup_steps", &get_sync_warmup_steps);
+
+  py::class_<OptimizerCtx>(m, "_OptimizerCtxGuard").def(py::init<>());
+  m.def("optimizer_ctx_active", &OptimizerCtx::active);
+
+  m.def("save_for_recompute", [](const py::tuple& data) { save_for_recompute(args_to_ivalues(data)); });
+  m.def("doing_recompute", &doing_recompute);
+  m.def("get_recompute_data", [] { return args_to_python(get_recompute_data()); });
+}
+
+}  // namespace python
+}  // namespace roundpipe

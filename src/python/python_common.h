@@ -1,0 +1,63 @@
+// Shared by the Python binding: pybind11 with libtorch's tensor casters, and
+// holders that let C++ worker threads keep Python objects.
+//
+// Threads: the engine calls into Python from device workers and the optimizer
+// thread. Every call into Python takes the GIL around that call only; every
+// blocking binding releases it (so those threads can take it).
+#pragma once
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <string>
+
+#include "engine/call.h"
+
+namespace roundpipe {
+namespace python {
+
+namespace py = pybind11;
+
+// A Python object that C++ threads may copy and drop without holding the GIL
+// (the last owner takes the GIL to release it). Using get() needs the GIL.
+class SharedPyObject {
+ public:
+  SharedPyObject() = default;
+  explicit SharedPyObject(py::object obj);  // GIL held
+  const py::object& get() const { return *obj_; }
+  explicit operator bool() const { return obj_ != nullptr; }
+
+ private:
+  std::shared_ptr<py::object> obj_;
+};
+
+// A Python exception crossing the engine: it keeps its class (the binding and
+// torch's own handlers restore it as it was raised) and takes the engine's
+// context (model, stage, layer, microbatch, device) into its message.
+class PythonError : public ::python_error, public ContextualError {
+ public:
+  // Takes the Python error currently set (GIL held).
+  static PythonError fetch();
+  void add_context(const std::string& context) override;
+};
+
+// Runs a Python call site: GIL taken, pybind11's error turned into
+// PythonError.
+template <typename Fn>
+auto call_python(Fn&& fn) -> decltype(fn()) {
+  py::gil_scoped_acquire gil;
+  try {
+    return fn();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    throw PythonError::fetch();
+  }
+}
+
+// The user's callable's name for messages ("my_loss", "<lambda>").
+std::string callable_name(const py::handle& fn);
+
+}  // namespace python
+}  // namespace roundpipe
