@@ -3,6 +3,7 @@
 // public API.
 #pragma once
 
+#include <roundpipe/auto_plan.h>
 #include <roundpipe/devices.h>
 #include <roundpipe/grad_scaler.h>
 #include <roundpipe/layer.h>
