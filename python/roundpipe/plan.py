@@ -17,6 +17,31 @@ class ModelExecutePlan:
                 if not isinstance(r, range):
                     raise TypeError(f"ModelExecutePlan.{name}: entries must be range objects, got {r!r}")
 
+    @staticmethod
+    def auto(run_type, *models, min_stages=None, upper_threshold=1.1, model_memory_limit=None):
+        """Plans for ``models`` (RoundPipe models called one after another),
+        planned jointly: stages of balanced cost, the fewest stages whose
+        bottleneck stays within ``upper_threshold`` of the best reachable, at
+        least ``min_stages`` per pass (default: the number of devices), and
+        each stage's parameters and gradients within half of
+        ``model_memory_limit`` (GB; default: unlimited on CPU devices). Layer
+        costs are estimated from parameter sizes. Returns one plan for one
+        model, else a list. The exact rules: include/roundpipe/auto_plan.h."""
+        from . import _C
+        if not models:
+            raise ValueError("ModelExecutePlan.auto: give at least one model")
+        if min_stages is None:
+            min_stages = _C.get_num_devices()
+        limit = 0 if model_memory_limit is None else int(model_memory_limit * 2 ** 30)
+        sizes = []
+        for model in models:
+            layers = getattr(model, "_layers", None)
+            if layers is None:
+                raise TypeError(f"ModelExecutePlan.auto: expected RoundPipe models, got {type(model).__name__}")
+            sizes.append([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers])
+        plans = _C.auto_plan_from_sizes(run_type, sizes, int(min_stages), float(upper_threshold), limit)
+        return plans[0] if len(plans) == 1 else plans
+
     def __eq__(self, other):
         return (isinstance(other, ModelExecutePlan) and self.fwd_plan == other.fwd_plan
                 and self.bwd_plan == other.bwd_plan)

@@ -10,6 +10,7 @@
 #include "python/python_common.h"
 #include "python/run_config.h"
 #include "python/values.h"
+#include "roundpipe/auto_plan.h"
 #include "roundpipe/devices.h"
 #include "roundpipe/model.h"
 #include "roundpipe/optimizer.h"
@@ -141,6 +142,34 @@ class Engine {
   std::unique_ptr<RoundPipe> model_;
 };
 
+// ModelExecutePlan.auto: per-layer cost estimates from parameter bytes (a
+// backward pass costs about twice a forward pass).
+py::list auto_plan_from_sizes(const std::string& kind, const std::vector<std::vector<int64_t>>& layer_bytes,
+                              int64_t min_stages, double upper_threshold, int64_t memory_limit_bytes) {
+  TORCH_CHECK_VALUE(kind == "infer" || kind == "train" || kind == "fused",
+                    "run_type must be 'infer', 'train' or 'fused', got '", kind, "'");
+  std::vector<LayerCosts> models;
+  for (const auto& bytes : layer_bytes) {
+    LayerCosts c;
+    for (int64_t b : bytes) {
+      const double ms = static_cast<double>(b) * 1e-6;
+      c.fwd_ms.push_back(ms);
+      c.recompute_ms.push_back(ms);
+      c.bwd_ms.push_back(2 * ms);
+      c.param_bytes.push_back(b);
+    }
+    models.push_back(std::move(c));
+  }
+  AutoPlanOptions options;
+  options.run_kind = kind == "infer" ? RunKind::kInfer : kind == "train" ? RunKind::kTrain : RunKind::kFused;
+  options.min_stages = min_stages;
+  options.upper_threshold = upper_threshold;
+  options.model_memory_limit_bytes = memory_limit_bytes;
+  py::list out;
+  for (const auto& plan : auto_plan(models, options)) out.append(plan_to_python(plan));
+  return out;
+}
+
 void translate_errors(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
@@ -181,6 +210,7 @@ PYBIND11_MODULE(_C, m) {
       .def("default_execute_plan", &Engine::default_execute_plan)
       .def("close", &Engine::close);
 
+  m.def("auto_plan_from_sizes", &auto_plan_from_sizes);
   m.def("get_num_devices", &get_num_devices, py::call_guard<py::gil_scoped_release>());
   m.def("get_device_names", &get_device_names, py::call_guard<py::gil_scoped_release>());
   m.def("set_sync_warmup_steps", &set_sync_warmup_steps);

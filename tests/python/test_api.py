@@ -127,3 +127,17 @@ def test_to_dtype_rebuilds_and_frozen_parameters_get_no_copies():
     assert net[1].weight.dtype == torch.float64
     out = model.forward_backward((torch.randn(4, 4, dtype=torch.float64),), loss_fn=lambda o, _: o.sum())
     assert out.dtype == torch.float64
+
+
+def test_auto_plans_validate_and_balance():
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    model = RoundPipe(net)
+    plan = ModelExecutePlan.auto("fused", model, min_stages=3)
+    assert isinstance(plan, ModelExecutePlan) and plan.bwd_plan[0].stop == 6
+    assert len(plan.fwd_plan) + 1 >= 3
+    x = torch.randn(4, 8)
+    model.forward_backward((x,), loss_fn=lambda o, _: o.sum(), run_config=RoundPipeRunConfig(execute_plan=plan))
+    plans = ModelExecutePlan.auto("infer", model, RoundPipe(nn.Sequential(nn.Linear(8, 8))))
+    assert len(plans) == 2 and plans[1].fwd_plan == [range(0, 1)]
+    with pytest.raises(ValueError, match="run_type"):
+        ModelExecutePlan.auto("both", model)
