@@ -36,7 +36,9 @@
 // optimizer seen so far has taken its step j. An optimizer first seen after
 // others joins at the step they are at in the same step_fn (without
 // RoundPipe: in the same epoch), else at the oldest step not every optimizer
-// has taken.
+// has taken. A step j taken before epoch j began (several steps in one
+// iteration, without update() between them) was produced with, and is
+// unscaled by, the current scale.
 //
 // The scale chain, independent of timing: state_0 = (init_scale, tracker 0);
 // state_{j+1} = f(state_j, found_inf_j, S_j), where

@@ -10,6 +10,7 @@
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
@@ -278,9 +279,10 @@ class GradScaler::Impl {
                   "unscale_() has already been called on this optimizer since the last step. Call it at "
                   "most once per optimizer before step() (step() unscales when it was not called)");
       j = o.next_step;
-      TORCH_CHECK(j <= current_epoch(), "GradScaler: step ", j, " of this optimizer comes before update() ",
-                  "closed iteration ", j - 1, "; call scaler.update() once per iteration, after scaler.step()");
-      inv_scale = static_cast<float>(1.0 / main_scale());
+      // A step taken before update() closed the previous iteration (several
+      // steps in one iteration) belongs to an epoch that has not begun: its
+      // gradients were produced with the current scale.
+      inv_scale = static_cast<float>(1.0 / (j <= current_epoch() ? epoch(j).scale : main_scale()));
       o.unscaled = true;
       last_key = key;
     }
@@ -294,7 +296,13 @@ class GradScaler::Impl {
     }
     std::lock_guard<std::mutex> lock(mu);
     optimizers.at(key).found_inf = found;
-    if (found) epoch(j).found_inf = true;
+    if (found) {
+      if (j <= current_epoch()) {
+        epoch(j).found_inf = true;
+      } else {
+        early_inf.insert(j);  // recorded in its epoch when that begins
+      }
+    }
   }
 
   bool prepare_step_here(uintptr_t key, const std::vector<at::Tensor>& grads) {
@@ -327,6 +335,7 @@ class GradScaler::Impl {
   double growth_factor;
   double backoff_factor;
   int64_t growth_interval;
+  std::set<int64_t> early_inf;  // steps with an inf/NaN taken before their epoch began
   std::deque<Epoch> epochs;  // first_epoch .. current epoch; back() is the main view
   int64_t first_epoch = 0;
   std::unordered_map<uintptr_t, Optimizer> optimizers;
@@ -425,6 +434,7 @@ void GradScaler::update(c10::optional<double> new_scale, bool is_async) {
     m.applied = target;
   }
   m.epochs.push_back(Impl::Epoch::starting(next));
+  if (m.early_inf.erase(m.current_epoch()) > 0) m.epochs.back().found_inf = true;
 }
 
 double GradScaler::get_scale() const {

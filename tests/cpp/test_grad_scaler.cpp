@@ -69,6 +69,9 @@ Trace train_roundpipe(torch::nn::Sequential net, const Data& d, bool is_async, c
     model.forward_backward({d.xs[k]}, make_kwargs(), d.ys[k], loss_fn, false, RunConfig().num_microbatch(3));
     model.step(
         [&] {
+          // A slow optimizer: asynchronously, this iteration's update() runs
+          // first, and the step must still use the scale of its own epoch.
+          if (is_async) std::this_thread::sleep_for(std::chrono::milliseconds(20));
           trace.step_scales.push_back(scaler.get_scale());
           trace.skipped.push_back(!scaler.step(opt).has_value());
           trace.thetas.push_back(values_of(optim_params));
