@@ -250,6 +250,7 @@ class JobRunner {
     std::unordered_map<int64_t, at::Tensor> on_device;
     for (int64_t l = range.begin; l < range.end; ++l) {
       const HostLayer& hl = store.layer(l);
+      c_.model.gate->wait(l, c_.model.generation);
       if (hl.arena.numel() == 0) continue;
       at::Tensor arena = dev_.upload(hl.arena, Lane::kParamUpload, nullptr);
       for (int64_t id : hl.owned) on_device[id] = store.view_in(arena, id);
@@ -260,6 +261,7 @@ class JobRunner {
       for (int64_t id : store.layer(l).param_ids) {
         auto it = on_device.find(id);
         if (it == on_device.end()) {  // tied to a layer outside this stage
+          c_.model.gate->wait(store.params()[id].owner, c_.model.generation);
           at::Tensor master = store.params()[id].master.detach();
           it = on_device.emplace(id, dev_.upload(master, Lane::kParamUpload, nullptr)).first;
         }

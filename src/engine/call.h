@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/layer.h"
+#include "engine/param_gate.h"
 #include "engine/recompute_context.h"
 #include "roundpipe/model.h"
 #include "runtime/device.h"
@@ -58,6 +59,10 @@ struct ModelView {
   std::vector<std::unique_ptr<RandomUse>>* random_use;
   uint64_t seed;
   bool training;
+  // Uploads of layer l wait until the parameters hold write `generation`
+  // (the latest step's optimizer -> model copy issued before the call).
+  const ParamGate* gate;
+  int64_t generation;
 };
 
 // The tensors of one stage on one device.

@@ -50,6 +50,10 @@ class Layer {
   virtual void unbind(int replica) = 0;
 };
 
+// Points a replica's parameter and buffer variables at empty tensors and drops
+// the parameters' gradients: what Layer::unbind does with a replica's variables.
+void release_replica_tensors(std::vector<at::Tensor>& params, std::vector<at::Tensor>& buffers);
+
 // A layer backed by a libtorch module (see roundpipe/layer.h for how it is
 // called). Throws c10::ValueError if the module cannot be cloned or has
 // tensors off the CPU.

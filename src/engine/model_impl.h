@@ -19,6 +19,7 @@
 #include "engine/call.h"
 #include "engine/host_store.h"
 #include "engine/layer.h"
+#include "engine/param_gate.h"
 #include "engine/rng.h"
 #include "roundpipe/model.h"
 #include "runtime/device_pool.h"
@@ -51,6 +52,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     for (size_t i = 0; i < layers.size(); ++i) random_use.push_back(std::make_unique<RandomUse>());
     if (defaults.num_microbatch()) check_num_microbatch(*defaults.num_microbatch());
     if (defaults.execute_plan()) defaults.execute_plan()->validate(num_layers(), RunKind::kInfer);
+    param_gate = std::make_unique<ParamGate>(num_layers());
     make_optimizer_copies(options.optim_dtype);
     // Packing into arenas and cloning replicas freed about the model's size
     // of heap memory: give it back to the system rather than keep it resident.
@@ -87,7 +89,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   std::shared_ptr<Call> new_call(int64_t m, const RunConfig& cfg) {
     auto call = std::make_shared<Call>();
-    call->model = ModelView{name, &layers, store.get(), &random_use, seed, is_training()};
+    call->model = ModelView{name, &layers, store.get(), &random_use, seed, is_training(), param_gate.get(),
+                            param_gate->issued()};
     call->num_microbatch = m;
     call->grain = cfg.recompute_grain().value_or(RecomputeGrain::kStage);
     call->preserve_rng = cfg.preserve_rng_state().value_or(true);
@@ -167,22 +170,21 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   // ---- optimizer side (optimizer_side.cpp) ----
   void make_optimizer_copies(c10::optional<at::ScalarType> optim_dtype);
-  // Before a call: waits until queued writes of the model's parameters are
-  // done, and rethrows an error of an asynchronous step_fn.
+  // Before a call: rethrows an error of an asynchronous step_fn. (The call's
+  // jobs wait for the parameters they upload through param_gate.)
   void before_call();
   void rethrow_step_error();
   // Waits until the optimizer thread has run everything queued so far.
   void drain_optimizer();
-  // Optimizer copies -> model parameters (cast to the model dtype).
   // Optimizer copies <- model parameters (after the model's weights were loaded).
   void copy_model_to_optimizer();
-  void write_model_parameters();
+  // Optimizer copies -> model parameters (cast to the model dtype), layer by
+  // layer, marking each layer written for `generation` of param_gate.
+  void write_model_parameters(int64_t generation);
   void step(StepFn step_fn, bool is_async);
   void synchronize();
 
   std::mutex optim_mu;
-  std::condition_variable optim_cv;
-  int64_t model_writes_pending = 0;   // guarded by optim_mu
   std::exception_ptr step_error;      // guarded by optim_mu: first error of a step_fn
   std::string step_error_context;     // guarded by optim_mu
   int64_t steps_issued = 0;           // user thread only
@@ -197,6 +199,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   int64_t num_devices = 1;
   uint64_t seed = 0;
   int64_t next_call_id = 0;
+  std::unique_ptr<ParamGate> param_gate;  // per-layer readiness of the parameters
 
   // Declared last: destroyed first, after running what is queued.
   std::unique_ptr<WorkerThread> optimizer_thread;

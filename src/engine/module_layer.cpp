@@ -62,11 +62,7 @@ class ModuleLayer final : public Layer {
 
   void unbind(int replica) override {
     Replica& r = replica_for(replica);
-    for (auto& p : r.params) {
-      p.mutable_grad().reset();
-      p.set_data(at::empty({0}, p.options()));
-    }
-    for (auto& b : r.buffers) b.set_data(at::empty({0}, b.options()));
+    release_replica_tensors(r.params, r.buffers);
   }
 
  private:
@@ -165,6 +161,14 @@ class ModuleLayer final : public Layer {
 };
 
 }  // namespace
+
+void release_replica_tensors(std::vector<at::Tensor>& params, std::vector<at::Tensor>& buffers) {
+  for (auto& p : params) {
+    p.mutable_grad().reset();
+    p.set_data(at::empty({0}, p.options()));
+  }
+  for (auto& b : buffers) b.set_data(at::empty({0}, b.options()));
+}
 
 std::shared_ptr<Layer> make_module_layer(torch::nn::AnyModule module, int64_t index) {
   return std::make_shared<ModuleLayer>(std::move(module), index);

@@ -8,6 +8,7 @@
 
 #include "engine/model_impl.h"
 #include "engine/optimizer_thread.h"
+#include "optim/kernels/kernels.h"
 #include "roundpipe/optimizer.h"
 
 namespace roundpipe {
@@ -57,13 +58,7 @@ void RoundPipe::Impl::rethrow_step_error() {
   if (error) rethrow_with_context(error, context);
 }
 
-void RoundPipe::Impl::before_call() {
-  {
-    std::unique_lock<std::mutex> lock(optim_mu);
-    optim_cv.wait(lock, [&] { return model_writes_pending == 0; });
-  }
-  rethrow_step_error();
-}
+void RoundPipe::Impl::before_call() { rethrow_step_error(); }
 
 void RoundPipe::Impl::drain_optimizer() {
   std::promise<void> done;
@@ -71,10 +66,42 @@ void RoundPipe::Impl::drain_optimizer() {
   done.get_future().wait();
 }
 
-void RoundPipe::Impl::write_model_parameters() {
+namespace {
+
+// model parameter <- optimizer copy, cast to the model's dtype. fp32 -> bf16 /
+// fp16 goes through the optimizers' SIMD conversion (bitwise as Tensor::to).
+void write_one(HostParam& p) {
+  const at::Tensor master = p.master.detach();
+  const at::Tensor copy = p.optim.detach();
+  const at::ScalarType to = master.scalar_type();
+  if (copy.scalar_type() == at::kFloat && (to == at::kBFloat16 || to == at::kHalf) &&
+      master.is_contiguous() && copy.is_contiguous() && master.device().is_cpu()) {
+    optim::kernels::convert_to_lowp(copy.data_ptr<float>(), static_cast<uint16_t*>(master.data_ptr()),
+                                    master.numel(),
+                                    to == at::kBFloat16 ? optim::kernels::LowpKind::kBFloat16
+                                                        : optim::kernels::LowpKind::kFloat16);
+  } else {
+    master.copy_(copy);
+  }
+}
+
+}  // namespace
+
+void RoundPipe::Impl::write_model_parameters(int64_t generation) {
   at::NoGradGuard no_grad;
-  for (HostParam& p : store->params()) {
-    if (p.optim.defined()) p.master.detach().copy_(p.optim.detach());
+  try {
+    // Layer by layer, in model order: each layer is released to the calls
+    // waiting for it as soon as its parameters are written.
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      for (int64_t id : store->layer(l).owned) {
+        HostParam& p = store->params()[id];
+        if (p.optim.defined()) write_one(p);
+      }
+      param_gate->mark_written(l, generation);
+    }
+  } catch (...) {
+    param_gate->mark_all_written(generation);  // never leave a call waiting
+    throw;
   }
 }
 
@@ -101,10 +128,8 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
     if (g.from_grad.defined()) p.master.mutable_grad().reset();
     if (g.accumulated.defined() || g.from_grad.defined()) pending->push_back(std::move(g));
   }
-  {
-    std::lock_guard<std::mutex> lock(optim_mu);
-    ++model_writes_pending;
-  }
+  // Calls issued from now on wait, layer by layer, for this step's write.
+  const int64_t generation = param_gate->begin_write();
   const std::string context = "in RoundPipe model '" + name + "': step " + std::to_string(k);
   auto record = [this, context](std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(optim_mu);
@@ -113,16 +138,19 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
       step_error_context = context;
     }
   };
-  auto writes_done = [this] {
-    {
-      std::lock_guard<std::mutex> lock(optim_mu);
-      --model_writes_pending;
-    }
-    optim_cv.notify_all();
-  };
-  optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, writes_done] {
+  optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, generation] {
     detail::begin_step_task();
     bool ok = true;
+    if (delayed) {
+      // One-step delay: the next calls see the copies as they are before
+      // this step_fn runs (θ_{k-1}); written first, so they can start.
+      try {
+        write_model_parameters(generation);
+      } catch (...) {
+        ok = false;
+        record(std::current_exception());
+      }
+    }
     try {
       at::NoGradGuard no_grad;
       for (const PendingGrad& g : *pending) {
@@ -136,14 +164,10 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
           grad = sum.to(optim.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         }
       }
-      // One-step delay: the next calls see the copies as they are before
-      // this step_fn runs (θ_{k-1}).
-      if (delayed) write_model_parameters();
     } catch (...) {
       ok = false;
       record(std::current_exception());
     }
-    if (delayed) writes_done();
     if (ok) {
       try {
         OptimizerCtx redirect;  // parameters() means the optimizer copies in step_fn
@@ -155,14 +179,17 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
     }
     if (!delayed) {
       try {
-        if (ok) write_model_parameters();
+        if (ok) write_model_parameters(generation);
       } catch (...) {
         record(std::current_exception());
       }
-      writes_done();
+      param_gate->mark_all_written(generation);
     }
   });
-  if (!delayed) before_call();  // waits for θ_k in the model; rethrows step_fn's error
+  if (!delayed) {
+    param_gate->wait_all(generation);  // the model holds θ_k
+    rethrow_step_error();
+  }
 }
 
 void RoundPipe::Impl::synchronize() {
@@ -170,7 +197,7 @@ void RoundPipe::Impl::synchronize() {
   rethrow_step_error();
   // After a delayed step the model holds θ_{k-1}; bring it to θ_k. (Only
   // then: a model trained directly, without step, keeps its own values.)
-  if (model_behind_optimizer) write_model_parameters();
+  if (model_behind_optimizer) write_model_parameters(param_gate->begin_write());
   model_behind_optimizer = false;
   // Pending gradients move to .grad (model dtype), where a later step finds them.
   for (HostParam& p : store->params()) {

@@ -84,11 +84,7 @@ class PyModuleLayer final : public PyLayer {
 
   void unbind(int replica) override {
     Replica& r = replica_for(replica);
-    for (auto& p : r.params) {
-      p.mutable_grad().reset();
-      p.set_data(at::empty({0}, p.options()));
-    }
-    for (auto& b : r.buffers) b.set_data(at::empty({0}, b.options()));
+    release_replica_tensors(r.params, r.buffers);
   }
 
  private:

@@ -159,3 +159,25 @@ def test_gil_is_released_while_the_engine_works():
     finally:
         stop.set()
         thread.join()
+
+
+class FailsWhenRecomputed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if roundpipe.doing_recompute():
+            raise UserError("recompute failed")
+        return self.lin(x)
+
+
+def test_error_during_loss_backward_keeps_its_class():
+    net = torch.nn.Sequential(FailsWhenRecomputed(), torch.nn.Linear(8, 1))
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=M))
+    plan = roundpipe.ModelExecutePlan([range(0, 1), range(1, 2)], [range(1, 2), range(0, 1)])
+    out = model(torch.randn(4, 8), roundpipe_run_config=RoundPipeRunConfig(execute_plan=plan))
+    with pytest.raises(UserError, match="recompute failed"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert model(torch.randn(4, 8)).shape == (4, 1)  # still usable
