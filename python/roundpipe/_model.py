@@ -154,16 +154,11 @@ class RoundPipe:
     def optim_named_parameters(self, prefix="", remove_duplicate=True):
         """The optimizer copies, named like the model's parameters."""
         seen = set()
-        for mod_name, module in self.model.named_modules(remove_duplicate=False):
-            for name, p in module._parameters.items():
-                if p is None or id(p) not in self._optim_by_master:
-                    continue
-                if remove_duplicate:
-                    if id(p) in seen:
-                        continue
-                    seen.add(id(p))
-                full = f"{mod_name}.{name}" if mod_name else name
-                yield (f"{prefix}.{full}" if prefix else full), self._optim_by_master[id(p)]
+        for name, p in self._parameter_slots(prefix):
+            if id(p) not in self._optim_by_master or (remove_duplicate and id(p) in seen):
+                continue
+            seen.add(id(p))
+            yield name, self._optim_by_master[id(p)]
 
     def optim_parameters(self):
         """The optimizer copies: one per trainable parameter, tied ones once."""
@@ -177,9 +172,10 @@ class RoundPipe:
             return self.optim_named_parameters(prefix, remove_duplicate)
         if remove_duplicate:
             return self.model.named_parameters(prefix=prefix, recurse=recurse)
-        return self._all_named_parameters(prefix)
+        return self._parameter_slots(prefix)
 
-    def _all_named_parameters(self, prefix):
+    def _parameter_slots(self, prefix):
+        """Every (name, parameter) slot of the model, tied ones in each place."""
         for mod_name, module in self.model.named_modules(remove_duplicate=False):
             for name, p in module._parameters.items():
                 if p is not None:

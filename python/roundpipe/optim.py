@@ -25,6 +25,13 @@ def _check_unsupported(name, capturable, differentiable, foreach, fused):
                       "vectorized pass)", stacklevel=3)
 
 
+def _closure_loss(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Adam(torch.optim.Optimizer):
     """torch.optim.Adam's interface; ``decoupled_weight_decay=True`` is AdamW."""
 
@@ -64,10 +71,7 @@ class Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
             amsgrad = group["amsgrad"]
@@ -147,10 +151,7 @@ class SGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params, grads, buffers, first = [], [], [], []
             momentum = group["momentum"]

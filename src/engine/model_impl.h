@@ -170,9 +170,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   // ---- optimizer side (optimizer_side.cpp) ----
   void make_optimizer_copies(c10::optional<at::ScalarType> optim_dtype);
-  // Before a call: rethrows an error of an asynchronous step_fn. (The call's
-  // jobs wait for the parameters they upload through param_gate.)
-  void before_call();
+  // Rethrows (once) the first error of an asynchronous step_fn.
   void rethrow_step_error();
   // Waits until the optimizer thread has run everything queued so far.
   void drain_optimizer();

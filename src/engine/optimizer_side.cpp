@@ -58,8 +58,6 @@ void RoundPipe::Impl::rethrow_step_error() {
   if (error) rethrow_with_context(error, context);
 }
 
-void RoundPipe::Impl::before_call() { rethrow_step_error(); }
-
 void RoundPipe::Impl::drain_optimizer() {
   std::promise<void> done;
   optimizer_thread->post([&] { done.set_value(); });

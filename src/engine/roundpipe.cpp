@@ -119,7 +119,7 @@ RoundPipe& RoundPipe::operator=(RoundPipe&&) noexcept = default;
 
 c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, const RunConfig& run_config) {
   Impl& m = *impl_;
-  m.before_call();
+  m.rethrow_step_error();  // jobs wait for their layers' parameters themselves (ParamGate)
   const RunConfig cfg = run_config.merged_over(m.defaults);
   const bool requires_grad = cfg.requires_grad().value_or(at::GradMode::is_enabled());
   const RunKind kind = requires_grad ? RunKind::kTrain : RunKind::kInfer;
@@ -177,7 +177,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
                                         const RunConfig& run_config) {
   Impl& m = *impl_;
   TORCH_CHECK_VALUE(static_cast<bool>(loss_fn), "forward_backward: loss_fn is empty");
-  m.before_call();
+  m.rethrow_step_error();  // jobs wait for their layers' parameters themselves (ParamGate)
   const RunConfig cfg = run_config.merged_over(m.defaults);
   const ModelExecutePlan plan = m.plan_for(cfg, RunKind::kFused);
   const int64_t n = m.microbatches_for(cfg, input_args, input_kwargs);

@@ -115,11 +115,7 @@ Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
     : Adam("Adam", {OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 torch::Tensor Adam::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = detail::run_closure(closure);
   run_step(nullptr);
   return loss;
 }

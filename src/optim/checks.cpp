@@ -1,5 +1,6 @@
 #include "optim/checks.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
@@ -45,6 +46,12 @@ StateKey state_key(const at::Tensor& param) {
 std::ostream& operator<<(std::ostream& out, const ParamRef& ref) {
   return out << "roundpipe::optim::" << ref.optimizer << ": parameter " << ref.index << " (group "
              << ref.group << ", position " << ref.position << ")";
+}
+
+torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
 }
 
 size_t count_params(const std::vector<torch::optim::OptimizerParamGroup>& groups) {

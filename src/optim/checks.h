@@ -37,6 +37,10 @@ struct ParamRef {
 };
 std::ostream& operator<<(std::ostream& out, const ParamRef& ref);
 
+// Runs an optimizer's loss closure (with grad mode on, as libtorch does);
+// an undefined tensor without one.
+torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure);
+
 // Total number of parameters over all groups.
 size_t count_params(const std::vector<torch::optim::OptimizerParamGroup>& groups);
 

@@ -97,11 +97,7 @@ SGD::SGD(std::vector<torch::Tensor> params, SGDOptions defaults)
     : SGD({OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 torch::Tensor SGD::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = detail::run_closure(closure);
   run_step(nullptr);
   return loss;
 }

@@ -14,6 +14,12 @@ bool is_replicate(const py::handle& obj) {
   return name == "Replicate" || name == "_Replicate";
 }
 
+// A split/merge function rather than a spec (spec objects may be callable).
+bool is_function(const py::handle& obj) {
+  return PyCallable_Check(obj.ptr()) && !py::hasattr(obj, "split_dim") && !is_replicate(obj) &&
+         !py::hasattr(obj, "reduce_fn");
+}
+
 Spec to_spec(const py::handle& obj, const std::string& where) {
   if (obj.is_none()) return Spec();
   if (PyTuple_Check(obj.ptr()) && !py::hasattr(obj, "_fields")) {
@@ -59,7 +65,7 @@ c10::optional<T> field(const py::handle& config, const char* name) {
 
 InputSplit to_input_split(const py::object& v) {
   InputSplit how;
-  if (PyCallable_Check(v.ptr())) {
+  if (is_function(v)) {
     SharedPyObject fn(v);
     const std::string name = callable_name(v);
     how.fn = [fn, name](const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n) {
@@ -101,7 +107,7 @@ InputSplit to_input_split(const py::object& v) {
 
 LabelSplit to_label_split(const py::object& v) {
   LabelSplit how;
-  if (PyCallable_Check(v.ptr()) && !py::hasattr(v, "split_dim") && !is_replicate(v)) {
+  if (is_function(v)) {
     SharedPyObject fn(v);
     const std::string name = callable_name(v);
     how.fn = [fn, name](const c10::IValue& label, int64_t n) {
@@ -123,7 +129,7 @@ OutputMerge to_output_merge(const py::object& v) {
   OutputMerge how;
   if (PyBool_Check(v.ptr())) {
     how.merge = v.cast<bool>();
-  } else if (PyCallable_Check(v.ptr()) && !py::hasattr(v, "split_dim") && !is_replicate(v)) {
+  } else if (is_function(v)) {
     SharedPyObject fn(v);
     how.fn = [fn](const std::vector<c10::IValue>& outputs) {
       return call_python([&] {
