@@ -17,12 +17,14 @@
 #include <string>
 #include <vector>
 
+#include <roundpipe/auto_plan.h>
 #include <roundpipe/devices.h>
 #include <roundpipe/layer.h>
 #include <roundpipe/microbatch.h>
 #include <roundpipe/optimizer.h>
 #include <roundpipe/plan.h>
 #include <roundpipe/run_config.h>
+#include <roundpipe/timer.h>
 
 namespace roundpipe {
 
@@ -149,8 +151,20 @@ class RoundPipe {
   const std::string& name() const;
   // Number of devices this model's jobs are spread over.
   int64_t num_devices() const;
-  // The plan a call of `kind` uses when its RunConfig has none.
+  // The plan a call of `kind` uses when its RunConfig has none: the automatic
+  // plan (auto_plan.h) over layer_costs(), at least one stage per device,
+  // upper_threshold 1.1, no memory limit. It is kept from call to call until
+  // a new plan is predicted at least 20% faster (choose_plan), so timing
+  // noise does not make it oscillate.
   ModelExecutePlan default_execute_plan(RunKind kind) const;
+  // Per-layer time estimates (ModelTimer), updated after every call.
+  const ModelTimer& timer() const;
+  ModelTimer& timer();
+  // What the planner sees: the timer's estimates in milliseconds once every
+  // layer has a forward time (recompute then defaults to forward, backward
+  // to twice forward, until measured); before that, parameter bytes stand in
+  // for time (fwd = recompute = bytes, bwd = 2 * bytes).
+  LayerCosts layer_costs() const;
   // The wrapped model (the Sequential given at construction, if any).
   torch::nn::Sequential& model();
 
@@ -159,5 +173,22 @@ class RoundPipe {
  private:
   std::shared_ptr<Impl> impl_;
 };
+
+// ModelExecutePlan.auto (SPEC 6): plans for `models`, which run one after
+// another over the same devices (chained), planned jointly from their
+// layer_costs() with auto_plan (see auto_plan.h for how). options.min_stages
+// 0 means the first model's num_devices(). One plan per model, in order.
+// Throws c10::ValueError as auto_plan does, or when `models` is empty or
+// holds a null.
+std::vector<ModelExecutePlan> auto_execute_plans(const std::vector<const RoundPipe*>& models,
+                                                 AutoPlanOptions options);
+
+// Writes the models' per-layer costs (layer_costs()) as a timings file for
+// roundpipe-sim, atomically:
+//   {"format": "roundpipe-timings-1", "models": [{"name": ..., "timed": true|false,
+//    "layers": [{"fwd_ms", "recompute_ms", "bwd_ms", "param_bytes"}, ...]}, ...]}
+// ("timed": false when the costs are still parameter-size estimates).
+// Throws c10::Error when the file cannot be written.
+void save_timings(const std::string& path, const std::vector<const RoundPipe*>& models);
 
 }  // namespace roundpipe

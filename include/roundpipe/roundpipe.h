@@ -13,3 +13,6 @@
 #include <roundpipe/plan.h>
 #include <roundpipe/recompute.h>
 #include <roundpipe/run_config.h>
+#include <roundpipe/safetensors.h>
+#include <roundpipe/timer.h>
+#include <roundpipe/trace.h>

@@ -20,26 +20,34 @@ class ModelExecutePlan:
     @staticmethod
     def auto(run_type, *models, min_stages=None, upper_threshold=1.1, model_memory_limit=None):
         """Plans for ``models`` (RoundPipe models called one after another),
-        planned jointly: stages of balanced cost, the fewest stages whose
+        planned jointly: stages of balanced time, the fewest stages whose
         bottleneck stays within ``upper_threshold`` of the best reachable, at
         least ``min_stages`` per pass (default: the number of devices), and
         each stage's parameters and gradients within half of
-        ``model_memory_limit`` (GB; default: unlimited on CPU devices). Layer
-        costs are estimated from parameter sizes. Returns one plan for one
-        model, else a list. The exact rules: include/roundpipe/auto_plan.h."""
+        ``model_memory_limit`` (GB; default: 60% of the smallest accelerator's
+        memory, unlimited on CPU devices). Layer times are the models' timer
+        estimates (``roundpipe.timer``); before a model has them, its
+        parameter sizes stand in. ``run_type`` is "infer", "train" or
+        "fused". Returns one plan for one model, else a list. The exact rules:
+        include/roundpipe/auto_plan.h."""
         from . import _C
         if not models:
             raise ValueError("ModelExecutePlan.auto: give at least one model")
-        if min_stages is None:
-            min_stages = _C.get_num_devices()
-        limit = 0 if model_memory_limit is None else int(model_memory_limit * 2 ** 30)
-        sizes = []
+        engines = []
         for model in models:
-            layers = getattr(model, "_layers", None)
-            if layers is None:
+            engine = getattr(model, "_engine", None)
+            if engine is None:
                 raise TypeError(f"ModelExecutePlan.auto: expected RoundPipe models, got {type(model).__name__}")
-            sizes.append([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers])
-        plans = _C.auto_plan_from_sizes(run_type, sizes, int(min_stages), float(upper_threshold), limit)
+            engines.append(engine)
+        if min_stages is None:
+            min_stages = engines[0].num_devices()
+        if model_memory_limit is None:
+            limit = _default_memory_limit_bytes()
+        elif model_memory_limit <= 0:
+            raise ValueError(f"ModelExecutePlan.auto: model_memory_limit must be > 0 GB, got {model_memory_limit}")
+        else:
+            limit = int(model_memory_limit * 2 ** 30)
+        plans = _C.auto_execute_plans(run_type, engines, int(min_stages), float(upper_threshold), limit)
         return plans[0] if len(plans) == 1 else plans
 
     def __eq__(self, other):
@@ -48,3 +56,14 @@ class ModelExecutePlan:
 
     def __repr__(self):
         return f"ModelExecutePlan(fwd_plan={self.fwd_plan!r}, bwd_plan={self.bwd_plan!r})"
+
+
+def _default_memory_limit_bytes():
+    """60% of the smallest accelerator's memory; 0 (unlimited) on CPU devices."""
+    import torch
+    from . import _C
+    sizes = []
+    for name in _C.get_device_names():
+        if name.startswith("cuda") and torch.cuda.is_available():
+            sizes.append(torch.cuda.get_device_properties(int(name.split(":")[1])).total_memory)
+    return int(0.6 * min(sizes)) if sizes else 0

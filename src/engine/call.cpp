@@ -24,6 +24,7 @@ void Call::init_flow() {
   grads.assign(jobs.size(), {});
   buffers.assign(jobs.size(), {});
   fences.assign(jobs.size(), nullptr);
+  records.assign(jobs.size(), JobRecord());
 }
 
 Slot Call::wait(const Slot& slot) {
@@ -127,18 +128,9 @@ struct Cursor {
   int64_t microbatch = -1;
 };
 
-const char* kind_name(JobKind kind) {
-  switch (kind) {
-    case JobKind::kForward: return "forward";
-    case JobKind::kFused: return "fused";
-    case JobKind::kBackward: return "backward";
-  }
-  return "?";
-}
-
 std::string describe(const Call& c, size_t j, const Device& dev, const Cursor& cur) {
   const JobSpec& job = c.jobs[j];
-  std::string out = "in RoundPipe model '" + c.model.name + "': " + kind_name(job.kind) + " stage " +
+  std::string out = "in RoundPipe model '" + c.model.name + "': " + job_kind_name(job.kind) + " stage " +
                     std::to_string(job.stage) + " (layers " + std::to_string(job.layers.begin) + ".." +
                     std::to_string(job.layers.end - 1) + ")";
   if (cur.layer >= 0) out += ", layer " + std::to_string(cur.layer);
@@ -175,12 +167,13 @@ Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer) {
   return out;
 }
 
-// `slot` on `dev` with every tensor a fresh leaf; floating-point tensors
-// require grad (at layer 0 only those the caller's tensor required).
-std::pair<c10::IValue, std::vector<at::Tensor>> make_leaves(Device& dev, const Slot& slot,
+// `value` (a slot's value moved to the device) with every tensor a fresh
+// leaf; floating-point tensors require grad (at layer 0 only those of the
+// slot's `original` value, the caller's tensors, that required grad).
+std::pair<c10::IValue, std::vector<at::Tensor>> make_leaves(const c10::IValue& value,
+                                                            const c10::IValue& original,
                                                             int64_t start_layer) {
-  std::vector<at::Tensor> host = flatten_tensors(slot.value);
-  c10::IValue value = to_device(dev, slot);
+  std::vector<at::Tensor> host = flatten_tensors(original);
   std::vector<at::Tensor> leaves = flatten_tensors(value);
   for (size_t i = 0; i < leaves.size(); ++i) {
     if (!leaves[i].defined()) continue;
@@ -215,9 +208,63 @@ void backward_outputs(const c10::IValue& outputs, const std::vector<at::Tensor>&
   if (!roots.empty()) torch::autograd::backward(roots, root_grads);
 }
 
+int64_t bytes_of(const c10::IValue& value) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : flatten_tensors(value)) {
+    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+  }
+  return bytes;
+}
+
+// Times each layer's backward within one autograd pass over a stage: a hook
+// on each layer's output marks when its gradient is complete, which is when
+// the backward of the layer after it has finished.
+class BackwardTimer {
+ public:
+  BackwardTimer(Device& dev, LayerRange layers, int64_t microbatch)
+      : dev_(dev),
+        layers_(layers),
+        microbatch_(microbatch),
+        boundaries_(std::make_shared<std::vector<MarkPtr>>(layers.end - layers.begin + 1)) {}
+
+  // `output` is what layer l (not the stage's last) returned.
+  void watch(int64_t l, const c10::IValue& output) {
+    const size_t k = static_cast<size_t>(l + 1 - layers_.begin);
+    for (const at::Tensor& t : flatten_tensors(output)) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      // The last of the output's gradients to complete marks the boundary.
+      t.register_hook([boundaries = boundaries_, k, dev = &dev_](const at::Tensor&) {
+        (*boundaries)[k] = dev->mark(Lane::kCompute);
+      });
+    }
+  }
+  void start() { boundaries_->back() = dev_.mark(Lane::kCompute); }
+  // After the backward pass: one record per layer, or per run of layers
+  // whose inner boundaries were not marked.
+  void finish(std::vector<LayerTimeRecord>& out) {
+    std::vector<MarkPtr>& b = *boundaries_;
+    b.front() = dev_.mark(Lane::kCompute);
+    for (size_t hi = b.size() - 1; hi > 0;) {
+      size_t lo = hi - 1;
+      while (b[lo] == nullptr) --lo;
+      out.push_back(LayerTimeRecord{LayerRange{layers_.begin + static_cast<int64_t>(lo),
+                                               layers_.begin + static_cast<int64_t>(hi)},
+                                    LayerAction::kBackward, microbatch_, b[hi], b[lo]});
+      hi = lo;
+    }
+  }
+
+ private:
+  Device& dev_;
+  LayerRange layers_;
+  int64_t microbatch_;
+  std::shared_ptr<std::vector<MarkPtr>> boundaries_;  // [k]: before layer begin + k; shared with hooks
+};
+
 class JobRunner {
  public:
-  JobRunner(Call& c, size_t j, Device& dev) : c_(c), j_(j), job_(c.jobs[j]), dev_(dev) {}
+  JobRunner(Call& c, size_t j, Device& dev)
+      : c_(c), j_(j), job_(c.jobs[j]), dev_(dev), record_(c.records[j]) {}
 
   void run() {
     bind_stage();
@@ -245,7 +292,43 @@ class JobRunner {
  private:
   std::shared_ptr<Layer>& layer(int64_t l) { return (*c_.model.layers)[l]; }
 
-  StageTensors upload_stage(const LayerRange& range) {
+  // ---- timeline spans (only when tracing) ----
+  MarkPtr mark(Lane lane) { return c_.trace ? dev_.mark(lane) : nullptr; }
+  void add_span(TraceLane trace_lane, Lane lane, const char* kind, const char* label, size_t job, int64_t m,
+                int64_t bytes, MarkPtr start) {
+    if (!c_.trace) return;
+    record_.spans.push_back(SpanRecord{trace_lane, kind, label, static_cast<int64_t>(job), m, bytes,
+                                       std::move(start), dev_.mark(lane)});
+  }
+
+  // The slot's value on this device (an activation hand-off unless it is here).
+  c10::IValue fetch(const Slot& slot, int64_t m) {
+    if (!c_.trace || slot.device == dev_.index()) return to_device(dev_, slot);
+    MarkPtr start = mark(Lane::kActUpload);
+    c10::IValue value = to_device(dev_, slot);
+    add_span(TraceLane::kActUpload, Lane::kActUpload, "handoff", "act", j_, m, bytes_of(slot.value), start);
+    return value;
+  }
+
+  // `value` handed to device `consumer` (-1: the host).
+  Slot pass_on(const c10::IValue& value, int64_t consumer, int64_t m) {
+    if (!c_.trace || consumer == dev_.index()) return hand_off(dev_, value, consumer);
+    MarkPtr start = mark(Lane::kDownload);
+    Slot out = hand_off(dev_, value, consumer);
+    add_span(TraceLane::kDownload, Lane::kDownload, "handoff", "act", j_, m, bytes_of(value), start);
+    return out;
+  }
+
+  void add_compute_span(int64_t m, MarkPtr start) {
+    static const char* const kLabel[] = {"fwd", "fused", "bwd"};
+    add_span(TraceLane::kCompute, Lane::kCompute, "compute", kLabel[static_cast<int>(job_.kind)], j_, m, -1,
+             std::move(start));
+  }
+
+  StageTensors upload_stage(size_t job) {
+    const LayerRange& range = c_.jobs[job].layers;
+    MarkPtr start = mark(Lane::kParamUpload);
+    int64_t bytes = 0;
     const HostStore& store = *c_.model.store;
     std::unordered_map<int64_t, at::Tensor> on_device;
     for (int64_t l = range.begin; l < range.end; ++l) {
@@ -253,6 +336,7 @@ class JobRunner {
       c_.model.gate->wait(l, c_.model.generation);
       if (hl.arena.numel() == 0) continue;
       at::Tensor arena = dev_.upload(hl.arena, Lane::kParamUpload, nullptr);
+      bytes += static_cast<int64_t>(hl.arena.nbytes());
       for (int64_t id : hl.owned) on_device[id] = store.view_in(arena, id);
     }
     StageTensors st;
@@ -264,22 +348,24 @@ class JobRunner {
           c_.model.gate->wait(store.params()[id].owner, c_.model.generation);
           at::Tensor master = store.params()[id].master.detach();
           it = on_device.emplace(id, dev_.upload(master, Lane::kParamUpload, nullptr)).first;
+          bytes += static_cast<int64_t>(master.nbytes());
         }
         params.push_back(it->second);
       }
       std::vector<at::Tensor> buffers;
       for (const auto& [name, b] : layer(l)->named_buffers()) {
         buffers.push_back(b.defined() ? dev_.upload(b, Lane::kParamUpload, nullptr) : b);
+        if (b.defined()) bytes += static_cast<int64_t>(b.nbytes());
       }
       st.params.push_back(std::move(params));
       st.buffers.push_back(std::move(buffers));
     }
+    add_span(TraceLane::kParamUpload, Lane::kParamUpload, "upload", "params", job, -1, bytes, start);
     return st;
   }
 
   void bind_stage() {
-    StageTensors st = c_.prefetched[j_].params.empty() ? upload_stage(job_.layers)
-                                                        : std::move(c_.prefetched[j_]);
+    StageTensors st = c_.prefetched[j_].params.empty() ? upload_stage(j_) : std::move(c_.prefetched[j_]);
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       cursor.layer = l;
       const size_t i = static_cast<size_t>(l - job_.layers.begin);
@@ -294,7 +380,7 @@ class JobRunner {
   void prefetch_next() {
     for (size_t k = j_ + 1; k < c_.jobs.size(); ++k) {
       if (c_.jobs[k].device == dev_.index()) {
-        c_.prefetched[k] = upload_stage(c_.jobs[k].layers);
+        c_.prefetched[k] = upload_stage(k);
         return;
       }
     }
@@ -321,11 +407,12 @@ class JobRunner {
       const auto& saved = c_.record->recompute_data[l][m];
       if (saved) {
         std::vector<c10::IValue> data;
-        for (const auto& v : *saved) data.push_back(to_device(dev_, Slot{v, -1, nullptr, true}));
+        for (const auto& v : *saved) data.push_back(fetch(Slot{v, -1, nullptr, true}, m));
         state.data = std::move(data);
       }
     }
     c10::IValue out;
+    MarkPtr start = dev_.mark(Lane::kCompute);
     {
       LayerRunScope scope(&state);
       auto body = [&] { out = layer(l)->forward(dev_.index(), std::move(args), std::move(kwargs)); };
@@ -337,9 +424,12 @@ class JobRunner {
         body();
       }
     }
+    record_.layer_times.push_back(LayerTimeRecord{
+        LayerRange{l, l + 1}, mode == RunMode::kRecompute ? LayerAction::kRecompute : LayerAction::kForward, m,
+        start, dev_.mark(Lane::kCompute)});
     if (mode == RunMode::kSaving && state.saved) {
       std::vector<c10::IValue> host;
-      for (const auto& v : *state.data) host.push_back(hand_off(dev_, v, -1).value);
+      for (const auto& v : *state.data) host.push_back(pass_on(v, -1, m).value);
       c_.record->recompute_data[l][m] = std::move(host);
     }
     return out;
@@ -351,15 +441,17 @@ class JobRunner {
     for (int64_t m = 0; m < c_.num_microbatch; ++m) {
       cursor.microbatch = m;
       Slot in = c_.wait(c_.flow[j_][m]);
-      c10::IValue x = to_device(dev_, in);
+      c10::IValue x = fetch(in, m);
+      MarkPtr start = mark(Lane::kCompute);
       for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
         if (c_.saves_for_backward && c_.backward_starts[l]) {
           // Layer 0's input is kept as the caller gave it (autograd history).
-          c_.publish(c_.record->stage_inputs[l][m], l == 0 ? in : hand_off(dev_, x, -1));
+          c_.publish(c_.record->stage_inputs[l][m], l == 0 ? in : pass_on(x, -1, m));
         }
         x = run_layer(l, std::move(x), m, mode);
       }
-      c_.publish(c_.flow[j_ + 1][m], hand_off(dev_, x, next_device()));
+      add_compute_span(m, start);
+      c_.publish(c_.flow[j_ + 1][m], pass_on(x, next_device(), m));
     }
   }
 
@@ -368,24 +460,30 @@ class JobRunner {
       cursor.microbatch = m;
       cursor.layer = -1;
       Slot in = c_.wait(c_.flow[j_][m]);
-      auto [x, leaves] = make_leaves(dev_, in, job_.layers.begin);
+      auto [x, leaves] = make_leaves(fetch(in, m), in.value, job_.layers.begin);
+      c10::IValue label = fetch(Slot{c_.labels[m], -1, nullptr, true}, m);
+      MarkPtr start = mark(Lane::kCompute);
       c10::IValue loss;
       {
         at::AutoGradMode grad(true);
+        BackwardTimer timer(dev_, job_.layers, m);
         for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
           x = run_layer(l, std::move(x), m, RunMode::kPlain);
+          if (l + 1 < job_.layers.end) timer.watch(l, x);
         }
         cursor.layer = -1;
-        c10::IValue label = to_device(dev_, Slot{c_.labels[m], -1, nullptr, true});
         loss = (*c_.loss_fn)(x, label);
         std::vector<at::Tensor> roots = flatten_tensors(loss);
         TORCH_CHECK(!roots.empty() && (loss.isTensor() || loss.isTuple() || loss.isList()),
                     "loss_fn must return a tensor or a sequence of tensors, got ", loss.tagKind());
+        timer.start();
         torch::autograd::backward(roots);
+        timer.finish(record_.layer_times);
       }
-      c_.losses[m] = hand_off(dev_, loss, -1).value;
-      if (c_.keep_outputs) c_.outputs[m] = hand_off(dev_, x, -1).value;
-      c_.publish(c_.flow[j_ + 1][m], hand_off(dev_, leaf_grads(leaves), next_device()));
+      add_compute_span(m, start);
+      c_.losses[m] = pass_on(loss, -1, m).value;
+      if (c_.keep_outputs) c_.outputs[m] = pass_on(x, -1, m).value;
+      c_.publish(c_.flow[j_ + 1][m], pass_on(leaf_grads(leaves), next_device(), m));
     }
   }
 
@@ -396,34 +494,41 @@ class JobRunner {
       cursor.layer = -1;
       Slot grad_slot = c_.wait(c_.flow[j_][m]);
       Slot input_slot = c_.wait(c_.record->stage_inputs[range.begin][m]);
-      std::vector<at::Tensor> grads = tensors_from_ivalue(to_device(dev_, grad_slot));
+      std::vector<at::Tensor> grads = tensors_from_ivalue(fetch(grad_slot, m));
+      c10::IValue input = fetch(input_slot, m);
+      MarkPtr start = mark(Lane::kCompute);
       c10::IValue input_grads;
       if (c_.grain == RecomputeGrain::kStage) {
-        auto [x, leaves] = make_leaves(dev_, input_slot, range.begin);
+        auto [x, leaves] = make_leaves(input, input_slot.value, range.begin);
         {
           at::AutoGradMode grad(true);
+          BackwardTimer timer(dev_, range, m);
           for (int64_t l = range.begin; l < range.end; ++l) {
             x = run_layer(l, std::move(x), m, RunMode::kRecompute);
+            if (l + 1 < range.end) timer.watch(l, x);
           }
+          timer.start();
           backward_outputs(x, grads);
+          timer.finish(record_.layer_times);
         }
         input_grads = leaf_grads(leaves);
       } else {
-        input_grads = backward_layer_by_layer(input_slot, std::move(grads), m);
+        input_grads = backward_layer_by_layer(input, input_slot.value, std::move(grads), m);
       }
-      c_.publish(c_.flow[j_ + 1][m], hand_off(dev_, input_grads, next_device()));
+      add_compute_span(m, start);
+      c_.publish(c_.flow[j_ + 1][m], pass_on(input_grads, next_device(), m));
     }
   }
 
   // Recomputes the stage without a graph keeping each layer's input, then
   // recomputes and backpropagates one layer at a time, deepest first.
-  c10::IValue backward_layer_by_layer(const Slot& input_slot, std::vector<at::Tensor> grads,
-                                      int64_t m) {
+  c10::IValue backward_layer_by_layer(const c10::IValue& input, const c10::IValue& original_input,
+                                      std::vector<at::Tensor> grads, int64_t m) {
     const LayerRange& range = job_.layers;
     std::vector<c10::IValue> inputs;  // [layer in stage] on the device
     {
       at::NoGradGuard no_grad;
-      inputs.push_back(to_device(dev_, input_slot));
+      inputs.push_back(input);
       for (int64_t l = range.begin; l + 1 < range.end; ++l) {
         inputs.push_back(run_layer(l, inputs.back(), m, RunMode::kRecompute));
       }
@@ -431,12 +536,15 @@ class JobRunner {
     c10::IValue input_grads;
     for (int64_t l = range.end - 1; l >= range.begin; --l) {
       // The stage input keeps the caller's requires_grad flags (layer 0).
-      Slot here = l == range.begin ? input_slot : Slot{inputs.back(), dev_.index(), nullptr, true};
-      auto [x, leaves] = make_leaves(dev_, here, l);
+      auto [x, leaves] = make_leaves(inputs.back(), l == range.begin ? original_input : inputs.back(), l);
       inputs.pop_back();
       {
         at::AutoGradMode grad(true);
-        backward_outputs(run_layer(l, std::move(x), m, RunMode::kRecompute), grads);
+        c10::IValue y = run_layer(l, std::move(x), m, RunMode::kRecompute);
+        MarkPtr start = dev_.mark(Lane::kCompute);
+        backward_outputs(y, grads);
+        record_.layer_times.push_back(
+            LayerTimeRecord{LayerRange{l, l + 1}, LayerAction::kBackward, m, start, dev_.mark(Lane::kCompute)});
       }
       input_grads = leaf_grads(leaves);
       grads = tensors_from_ivalue(input_grads);
@@ -465,28 +573,41 @@ class JobRunner {
         }
       }
     }
+    MarkPtr start = mark(Lane::kDownload);
+    int64_t bytes = 0;
     FencePtr fence;
-    for (auto& [id, grad] : sums) c_.grads[j_].emplace_back(id, dev_.download(grad, &fence));
+    for (auto& [id, grad] : sums) {
+      c_.grads[j_].emplace_back(id, dev_.download(grad, &fence));
+      bytes += static_cast<int64_t>(grad.nbytes());
+    }
     if (fence) c_.fences[j_] = fence;
+    add_span(TraceLane::kDownload, Lane::kDownload, "download", "grads", j_, -1, bytes, start);
   }
 
   // Buffers updated by this stage's forward persist (recomputation's do not).
   void download_buffers() {
+    MarkPtr start = mark(Lane::kDownload);
+    int64_t bytes = 0;
     FencePtr fence = c_.fences[j_];
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       std::vector<at::Tensor> bufs = layer(l)->bound_buffers(dev_.index());
       if (bufs.empty()) continue;
       std::vector<at::Tensor> host;
-      for (const auto& b : bufs) host.push_back(b.defined() ? dev_.download(b, &fence) : b);
+      for (const auto& b : bufs) {
+        host.push_back(b.defined() ? dev_.download(b, &fence) : b);
+        if (b.defined()) bytes += static_cast<int64_t>(b.nbytes());
+      }
       c_.buffers[j_].emplace_back(l, std::move(host));
     }
     c_.fences[j_] = fence;
+    if (bytes > 0) add_span(TraceLane::kDownload, Lane::kDownload, "download", "buffers", j_, -1, bytes, start);
   }
 
   Call& c_;
   size_t j_;
   const JobSpec& job_;
   Device& dev_;
+  JobRecord& record_;
   int64_t bound_until_ = 0;
   std::vector<std::vector<at::Tensor>> leaves_;  // [layer in stage][param]
 };

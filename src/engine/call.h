@@ -19,21 +19,15 @@
 #include "engine/param_gate.h"
 #include "engine/recompute_context.h"
 #include "roundpipe/model.h"
+#include "roundpipe/timer.h"
 #include "runtime/device.h"
+#include "schedule/scheduler.h"
+#include "schedule/trace.h"
 
 namespace roundpipe {
 
 class HostStore;
 struct RandomUse;
-
-enum class JobKind { kForward, kFused, kBackward };
-
-struct JobSpec {
-  JobKind kind;
-  LayerRange layers;
-  int64_t stage = 0;   // index in its plan (fwd_plan or bwd_plan)
-  int64_t device = 0;  // pool index
-};
 
 // A value handed from one job to the next (or to/from the host).
 struct Slot {
@@ -71,6 +65,33 @@ struct StageTensors {
   std::vector<std::vector<at::Tensor>> buffers;  // [layer in stage][buffer]
 };
 
+// One timed piece of a job's work on its device (for traces).
+struct SpanRecord {
+  TraceLane lane;
+  const char* kind;   // trace.h kinds: "upload", "compute", "download", "handoff"
+  const char* label;  // "params", "fwd", "fused", "bwd", "grads", "buffers", "act"
+  int64_t job;       // the job it belongs to (a prefetch is the next job's upload)
+  int64_t microbatch;
+  int64_t bytes;
+  MarkPtr start, end;
+};
+
+// The time of `action` on layers [layers.begin, layers.end) for one
+// microbatch; several layers when their boundary could not be timed (the
+// time is then split in proportion to their forward time).
+struct LayerTimeRecord {
+  LayerRange layers;
+  LayerAction action;
+  int64_t microbatch;
+  MarkPtr start, end;
+};
+
+// What one job recorded; written only by the device running the job.
+struct JobRecord {
+  std::vector<SpanRecord> spans;             // only when tracing
+  std::vector<LayerTimeRecord> layer_times;  // always (per-layer timing)
+};
+
 class Call {
  public:
   ModelView model;
@@ -85,6 +106,7 @@ class Call {
   std::vector<c10::IValue> labels;        // [M] (fused calls)
   const LossFn* loss_fn = nullptr;
   bool keep_outputs = false;              // fused calls: return the outputs too
+  bool trace = false;                     // record spans for the timeline trace
 
   // flow[j][m]: input of job j for microbatch m; flow[jobs.size()][m]: result
   // of the last job (outputs on the host, or input gradients).
@@ -97,6 +119,7 @@ class Call {
   std::vector<std::vector<std::pair<int64_t, at::Tensor>>> grads;  // [job]: (param id, host grad)
   std::vector<std::vector<std::pair<int64_t, std::vector<at::Tensor>>>> buffers;  // [job]: (layer, host buffers)
   std::vector<FencePtr> fences;  // [job]: its downloads of grads and buffers are done after this
+  std::vector<JobRecord> records;  // [job]: timing
 
   void init_flow();
   // Blocks until `slot` is ready; throws Cancelled if the call failed.

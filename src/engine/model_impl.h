@@ -9,6 +9,7 @@
 #include <malloc.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <array>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -17,11 +18,15 @@
 #include <vector>
 
 #include "engine/call.h"
+#include "engine/call_timing.h"
 #include "engine/host_store.h"
 #include "engine/layer.h"
 #include "engine/param_gate.h"
 #include "engine/rng.h"
+#include "engine/tracer.h"
+#include "roundpipe/auto_plan.h"
 #include "roundpipe/model.h"
+#include "roundpipe/timer.h"
 #include "runtime/device_pool.h"
 #include "util/worker_thread.h"
 
@@ -34,9 +39,11 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       : name(std::move(options.name)),
         defaults(std::move(options.run_config)),
         seq(std::move(seq_in)),
-        layers(std::move(layers_in)) {
+        layers(std::move(layers_in)),
+        timer(static_cast<int64_t>(layers.size())) {
     TORCH_CHECK_VALUE(!layers.empty(), "RoundPipe: the model has no layers");
     DevicePool& pool = DevicePool::instance();
+    Tracer::instance();  // starts tracing when ROUNDPIPE_TRACE is set
     TORCH_CHECK_VALUE(options.max_devices >= 0 && options.max_devices <= pool.size(),
                       "RoundPipe: max_devices must be in 0..", pool.size(),
                       " (0 = all devices of the pool), got ", options.max_devices);
@@ -65,11 +72,46 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     TORCH_CHECK_VALUE(m >= 1, "num_microbatch must be >= 1, got ", m);
   }
 
-  ModelExecutePlan plan_for(const RunConfig& cfg, RunKind kind) const {
-    ModelExecutePlan plan = cfg.execute_plan() ? *cfg.execute_plan()
-                                               : default_plan(store->layer_param_bytes(), num_devices, kind);
+  ModelExecutePlan plan_for(const RunConfig& cfg, RunKind kind) {
+    ModelExecutePlan plan = cfg.execute_plan() ? *cfg.execute_plan() : automatic_plan(kind);
     plan.validate(num_layers(), kind);
     return plan;
+  }
+
+  // A new automatic plan must be predicted this much faster than the current
+  // one to replace it. With upper_threshold 1.1 this keeps plans put under
+  // +-5% timing noise (auto_plan.h: 1.1 * 1.05 / 0.95 <= 1 / (1 - 0.2)).
+  static constexpr double kPlanMinGain = 0.2;
+
+  // The plan a call of `kind` uses when none is given: auto_plan over
+  // layer_costs() with one stage per device at least, kept while a new one
+  // is not materially better (kPlanMinGain).
+  ModelExecutePlan automatic_plan(RunKind kind) {
+    const LayerCosts costs = layer_costs();
+    AutoPlanOptions options;
+    options.set_run_kind(kind).set_min_stages(num_devices).set_upper_threshold(1.1);
+    ModelExecutePlan candidate = auto_plan({costs}, options).front();
+    ModelExecutePlan& current = automatic_plans[static_cast<size_t>(kind)];
+    current = choose_plan(current, candidate, costs, kind, kPlanMinGain);
+    return current;
+  }
+
+  // Per-layer costs for planning: the timer's estimates once every layer has
+  // a forward time (recompute defaults to forward, backward to twice forward
+  // until measured); before that, parameter bytes stand in for time.
+  LayerCosts layer_costs() const {
+    LayerCosts costs;
+    costs.param_bytes = store->layer_param_bytes();
+    bool timed = true;
+    for (int64_t l = 0; l < num_layers() && timed; ++l) timed = timer.estimate(l, LayerAction::kForward).has_value();
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const double size = static_cast<double>(costs.param_bytes[l]);
+      const double fwd = timed ? *timer.estimate(l, LayerAction::kForward) : size;
+      costs.fwd_ms.push_back(fwd);
+      costs.recompute_ms.push_back(timed ? timer.estimate(l, LayerAction::kRecompute).value_or(fwd) : size);
+      costs.bwd_ms.push_back(timed ? timer.estimate(l, LayerAction::kBackward).value_or(2 * fwd) : 2 * size);
+    }
+    return costs;
   }
 
   int64_t microbatches_for(const RunConfig& cfg, const std::vector<c10::IValue>& args,
@@ -94,6 +136,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     call->num_microbatch = m;
     call->grain = cfg.recompute_grain().value_or(RecomputeGrain::kStage);
     call->preserve_rng = cfg.preserve_rng_state().value_or(true);
+    call->trace = Tracer::instance().on();
     call->backward_starts.assign(layers.size(), 0);
     return call;
   }
@@ -122,24 +165,35 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     }
   }
 
-  void add_jobs(Call& call, const std::vector<LayerRange>& ranges, JobKind kind, JobKind first_kind) {
-    for (size_t s = 0; s < ranges.size(); ++s) {
-      call.jobs.push_back(JobSpec{s == 0 ? first_kind : kind, ranges[s], static_cast<int64_t>(s), 0});
-    }
-  }
-
-  // Runs every job of `call` (its flow already fed) and waits; rethrows the
-  // first error.
+  // Runs every job of `call` (its jobs and flow already set) on the devices
+  // the scheduler gives them, and waits; rethrows the first error.
   void execute(const std::shared_ptr<Call>& call) {
     DevicePool& pool = DevicePool::instance();
-    std::vector<int64_t> devices = pool.assign_devices(call->jobs.size(), num_devices);
-    for (size_t j = 0; j < call->jobs.size(); ++j) call->jobs[j].device = devices[j];
+    round_robin().assign(call->jobs, num_devices);
+    std::vector<int64_t> devices;
     std::vector<std::function<void(Device&)>> tasks;
     for (size_t j = 0; j < call->jobs.size(); ++j) {
+      devices.push_back(call->jobs[j].device);
       tasks.push_back([call, j](Device& dev) { run_job(call, j, dev); });
     }
     pool.submit_batch(devices, tasks);
-    call->wait_all();
+    try {
+      call->wait_all();
+    } catch (...) {
+      add_to_trace(*call);
+      throw;
+    }
+    record_layer_times(*call, timer);
+    add_to_trace(*call);
+  }
+
+  static void add_to_trace(const Call& call) {
+    if (!call.trace) return;
+    try {
+      Tracer::instance().add(call_trace_events(call));
+    } catch (const std::exception& e) {
+      TORCH_WARN("RoundPipe: a call's events could not be added to the trace: ", e.what());
+    }
   }
 
   // Applies a successful call: gradients into the fp32 accumulators (job
@@ -168,6 +222,9 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   bool is_training() const { return layers.front()->is_training(); }
 
+  // The device assignment shared by every model of the process.
+  static RoundRobin& round_robin();
+
   // ---- optimizer side (optimizer_side.cpp) ----
   void make_optimizer_copies(c10::optional<at::ScalarType> optim_dtype);
   // Rethrows (once) the first error of an asynchronous step_fn.
@@ -192,6 +249,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   RunConfig defaults;
   torch::nn::Sequential seq{nullptr};
   std::vector<std::shared_ptr<Layer>> layers;
+  ModelTimer timer;
+  std::array<ModelExecutePlan, 3> automatic_plans;  // [RunKind]: empty until first used
   std::unique_ptr<HostStore> store;
   std::vector<std::unique_ptr<RandomUse>> random_use;  // [layer]
   int64_t num_devices = 1;

@@ -8,6 +8,7 @@
 
 #include "engine/model_impl.h"
 #include "engine/optimizer_thread.h"
+#include "engine/tracer.h"
 #include "optim/kernels/kernels.h"
 #include "roundpipe/optimizer.h"
 
@@ -136,19 +137,35 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
       step_error_context = context;
     }
   };
-  optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, generation] {
+  const bool trace = Tracer::instance().on();
+  optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, generation, trace, k] {
     detail::begin_step_task();
+    // Optimizer-row events of the timeline trace.
+    auto add_event = [&](const std::string& what, double start_ms) {
+      if (!trace) return;
+      TraceEvent e;
+      e.lane = TraceLane::kOptimizer;
+      e.kind = "optimizer";
+      e.name = what + " " + std::to_string(k);
+      e.model = name;
+      e.start_us = start_ms * 1000.0;
+      e.dur_us = (host_now_ms() - start_ms) * 1000.0;
+      Tracer::instance().add({std::move(e)});
+    };
     bool ok = true;
     if (delayed) {
       // One-step delay: the next calls see the copies as they are before
       // this step_fn runs (θ_{k-1}); written first, so they can start.
+      const double start = host_now_ms();
       try {
         write_model_parameters(generation);
       } catch (...) {
         ok = false;
         record(std::current_exception());
       }
+      add_event("write-back", start);
     }
+    const double step_start = host_now_ms();
     try {
       at::NoGradGuard no_grad;
       for (const PendingGrad& g : *pending) {
@@ -175,13 +192,16 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
         record(std::current_exception());
       }
     }
+    add_event("step", step_start);
     if (!delayed) {
+      const double start = host_now_ms();
       try {
         if (ok) write_model_parameters(generation);
       } catch (...) {
         record(std::current_exception());
       }
       param_gate->mark_all_written(generation);
+      add_event("write-back", start);
     }
   });
   if (!delayed) {

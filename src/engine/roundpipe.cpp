@@ -10,6 +10,9 @@
 #include "engine/host_store.h"
 #include "engine/model_impl.h"
 #include "engine/value_tree.h"
+#include "util/atomic_file.h"
+
+#include <sstream>
 
 namespace roundpipe {
 
@@ -63,7 +66,7 @@ class PipelineBackward : public torch::autograd::Node {
     const int64_t n = record_->num_microbatch;
     auto call = m.new_call(n, cfg_);
     call->record = record_;
-    m.add_jobs(*call, plan_.bwd_plan, JobKind::kBackward, JobKind::kBackward);
+    call->jobs = make_jobs(plan_, CallKind::kBackward);
     call->init_flow();
     // Gradients arrive for the outputs of every microbatch, in order.
     size_t next = 0;
@@ -102,6 +105,11 @@ class PipelineBackward : public torch::autograd::Node {
 
 }  // namespace
 
+RoundRobin& RoundPipe::Impl::round_robin() {
+  static RoundRobin instance(DevicePool::instance().size());
+  return instance;
+}
+
 RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
   TORCH_CHECK_VALUE(!model.is_empty(), "RoundPipe: model is an empty holder");
   std::vector<std::shared_ptr<Layer>> layers;
@@ -131,7 +139,7 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
   call->record = m.new_record(n);
   call->saves_for_backward = requires_grad;
   for (const auto& r : plan.bwd_plan) call->backward_starts[r.begin] = requires_grad;
-  m.add_jobs(*call, plan.fwd_plan, JobKind::kForward, JobKind::kForward);
+  call->jobs = make_jobs(plan, CallKind::kForward);
   call->init_flow();
   Impl::feed_inputs(*call, inputs);
   m.execute(call);
@@ -190,8 +198,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   call->labels = split_label(label, n, cfg.split_label().value_or(LabelSplit{}));
   call->loss_fn = &loss_fn;
   call->keep_outputs = return_outputs;
-  m.add_jobs(*call, plan.fwd_plan, JobKind::kForward, JobKind::kForward);
-  m.add_jobs(*call, plan.bwd_plan, JobKind::kBackward, JobKind::kFused);
+  call->jobs = make_jobs(plan, CallKind::kFused);
   call->init_flow();
   Impl::feed_inputs(*call, inputs);
   m.execute(call);
@@ -230,8 +237,50 @@ int64_t RoundPipe::num_layers() const { return impl_->num_layers(); }
 const std::string& RoundPipe::name() const { return impl_->name; }
 int64_t RoundPipe::num_devices() const { return impl_->num_devices; }
 
-ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const {
-  return default_plan(impl_->store->layer_param_bytes(), impl_->num_devices, kind);
+ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const { return impl_->automatic_plan(kind); }
+
+const ModelTimer& RoundPipe::timer() const { return impl_->timer; }
+ModelTimer& RoundPipe::timer() { return impl_->timer; }
+LayerCosts RoundPipe::layer_costs() const { return impl_->layer_costs(); }
+
+std::vector<ModelExecutePlan> auto_execute_plans(const std::vector<const RoundPipe*>& models,
+                                                 AutoPlanOptions options) {
+  TORCH_CHECK_VALUE(!models.empty(), "auto_execute_plans: no model given");
+  std::vector<LayerCosts> costs;
+  for (const RoundPipe* model : models) {
+    TORCH_CHECK_VALUE(model != nullptr, "auto_execute_plans: a model is null");
+    costs.push_back(model->layer_costs());
+  }
+  if (options.min_stages == 0) options.min_stages = models.front()->num_devices();
+  return auto_plan(costs, options);
+}
+
+void save_timings(const std::string& path, const std::vector<const RoundPipe*>& models) {
+  std::ostringstream os;
+  os.precision(17);
+  os << "{\"format\": \"roundpipe-timings-1\", \"models\": [";
+  for (size_t i = 0; i < models.size(); ++i) {
+    TORCH_CHECK_VALUE(models[i] != nullptr, "save_timings: a model is null");
+    const RoundPipe& model = *models[i];
+    const LayerCosts costs = model.layer_costs();
+    bool timed = true;
+    for (int64_t l = 0; l < costs.num_layers(); ++l) {
+      timed = timed && model.timer().num_records(l, LayerAction::kForward) > 0;
+    }
+    os << (i ? ",\n " : "\n ") << "{\"name\": " << json_quoted(model.name()) << ", \"timed\": " << (timed ? "true" : "false")
+       << ", \"layers\": [";
+    for (int64_t l = 0; l < costs.num_layers(); ++l) {
+      os << (l ? ",\n  " : "\n  ") << "{\"fwd_ms\": " << costs.fwd_ms[l] << ", \"recompute_ms\": " << costs.recompute_ms[l]
+         << ", \"bwd_ms\": " << costs.bwd_ms[l] << ", \"param_bytes\": " << costs.param_bytes[l] << "}";
+    }
+    os << "]}";
+  }
+  os << "]}\n";
+  try {
+    write_file_atomically(path, os.str());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "save_timings: ", e.what());
+  }
 }
 
 torch::nn::Sequential& RoundPipe::model() {

@@ -15,14 +15,23 @@
 #include "roundpipe/model.h"
 #include "roundpipe/optimizer.h"
 #include "roundpipe/recompute.h"
+#include "roundpipe/timer.h"
+#include "roundpipe/trace.h"
 
 namespace roundpipe {
 namespace python {
 
 void bind_optim(py::module_& m);
 void bind_grad_scaler(py::module_& m);
+void bind_safetensors(py::module_& m);
 
 namespace {
+
+RunKind run_kind(const std::string& kind) {
+  TORCH_CHECK_VALUE(kind == "infer" || kind == "train" || kind == "fused",
+                    "run_type must be 'infer', 'train' or 'fused', got '", kind, "'");
+  return kind == "infer" ? RunKind::kInfer : kind == "train" ? RunKind::kTrain : RunKind::kFused;
+}
 
 // A RoundPipe model driven from Python.
 class Engine {
@@ -115,22 +124,48 @@ class Engine {
   int64_t num_devices() { return model().num_devices(); }
 
   py::object default_execute_plan(const std::string& kind) {
-    RunKind k = kind == "infer" ? RunKind::kInfer : kind == "train" ? RunKind::kTrain : RunKind::kFused;
-    TORCH_CHECK_VALUE(kind == "infer" || kind == "train" || kind == "fused",
-                      "run_type must be 'infer', 'train' or 'fused', got '", kind, "'");
-    return plan_to_python(model().default_execute_plan(k));
+    return plan_to_python(model().default_execute_plan(run_kind(kind)));
   }
+
+  // {"fwd_ms": [...], "recompute_ms": [...], "bwd_ms": [...], "param_bytes": [...]}
+  py::dict layer_costs() {
+    const LayerCosts c = model().layer_costs();
+    py::dict out;
+    out["fwd_ms"] = c.fwd_ms;
+    out["recompute_ms"] = c.recompute_ms;
+    out["bwd_ms"] = c.bwd_ms;
+    out["param_bytes"] = c.param_bytes;
+    return out;
+  }
+
+  // The timer's estimate (ms) of `action` ("fwd", "re", "bwd") on `layer`, or None.
+  py::object timer_estimate(int64_t layer, const std::string& action) {
+    c10::optional<double> ms = model().timer().estimate(layer, to_action(action));
+    return ms ? py::cast(*ms) : py::none();
+  }
+  int64_t timer_records(int64_t layer, const std::string& action) {
+    return model().timer().num_records(layer, to_action(action));
+  }
+  void timer_reset() { model().timer().reset(); }
 
   void close() {
     py::gil_scoped_release nogil;
     model_.reset();
   }
 
- private:
   RoundPipe& model() {
     TORCH_CHECK(model_ != nullptr, "this RoundPipe model was closed");
     return *model_;
   }
+
+ private:
+  static LayerAction to_action(const std::string& action) {
+    if (action == "fwd") return LayerAction::kForward;
+    if (action == "re") return LayerAction::kRecompute;
+    TORCH_CHECK_VALUE(action == "bwd", "action must be 'fwd', 're' or 'bwd', got '", action, "'");
+    return LayerAction::kBackward;
+  }
+
 
   // The call's run config, and the layers' training flags as the user left them.
   RunConfig prepare(const py::object& run_config) {
@@ -142,32 +177,32 @@ class Engine {
   std::unique_ptr<RoundPipe> model_;
 };
 
-// ModelExecutePlan.auto: per-layer cost estimates from parameter bytes (a
-// backward pass costs about twice a forward pass).
-py::list auto_plan_from_sizes(const std::string& kind, const std::vector<std::vector<int64_t>>& layer_bytes,
-                              int64_t min_stages, double upper_threshold, int64_t memory_limit_bytes) {
-  TORCH_CHECK_VALUE(kind == "infer" || kind == "train" || kind == "fused",
-                    "run_type must be 'infer', 'train' or 'fused', got '", kind, "'");
-  std::vector<LayerCosts> models;
-  for (const auto& bytes : layer_bytes) {
-    LayerCosts c;
-    for (int64_t b : bytes) {
-      const double ms = static_cast<double>(b) * 1e-6;
-      c.fwd_ms.push_back(ms);
-      c.recompute_ms.push_back(ms);
-      c.bwd_ms.push_back(2 * ms);
-      c.param_bytes.push_back(b);
-    }
-    models.push_back(std::move(c));
+// ModelExecutePlan.auto over the engines' timings (parameter sizes until
+// timings exist), planned jointly.
+py::list auto_execute_plans_py(const std::string& kind, const std::vector<Engine*>& engines, int64_t min_stages,
+                               double upper_threshold, int64_t memory_limit_bytes) {
+  std::vector<const RoundPipe*> models;
+  for (Engine* e : engines) {
+    TORCH_CHECK_VALUE(e != nullptr, "ModelExecutePlan.auto: a model is None");
+    models.push_back(&e->model());
   }
   AutoPlanOptions options;
-  options.run_kind = kind == "infer" ? RunKind::kInfer : kind == "train" ? RunKind::kTrain : RunKind::kFused;
+  options.run_kind = run_kind(kind);
   options.min_stages = min_stages;
   options.upper_threshold = upper_threshold;
   options.model_memory_limit_bytes = memory_limit_bytes;
   py::list out;
-  for (const auto& plan : auto_plan(models, options)) out.append(plan_to_python(plan));
+  for (const auto& plan : auto_execute_plans(models, options)) out.append(plan_to_python(plan));
   return out;
+}
+
+void save_timings_py(const std::string& path, const std::vector<Engine*>& engines) {
+  std::vector<const RoundPipe*> models;
+  for (Engine* e : engines) {
+    TORCH_CHECK_VALUE(e != nullptr, "save_timings: a model is None");
+    models.push_back(&e->model());
+  }
+  save_timings(path, models);
 }
 
 void translate_errors(std::exception_ptr error) {
@@ -196,6 +231,7 @@ PYBIND11_MODULE(_C, m) {
   bind_values(m);
   bind_optim(m);
   bind_grad_scaler(m);
+  bind_safetensors(m);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&>())
@@ -208,9 +244,19 @@ PYBIND11_MODULE(_C, m) {
       .def("train", &Engine::train)
       .def("num_devices", &Engine::num_devices)
       .def("default_execute_plan", &Engine::default_execute_plan)
+      .def("layer_costs", &Engine::layer_costs)
+      .def("timer_estimate", &Engine::timer_estimate)
+      .def("timer_records", &Engine::timer_records)
+      .def("timer_reset", &Engine::timer_reset)
       .def("close", &Engine::close);
 
-  m.def("auto_plan_from_sizes", &auto_plan_from_sizes);
+  m.def("auto_execute_plans", &auto_execute_plans_py);
+  m.def("save_timings", &save_timings_py, py::call_guard<py::gil_scoped_release>());
+  m.def("set_timer_verbose", &ModelTimer::set_verbose);
+  m.def("timer_verbose", &ModelTimer::verbose);
+  m.def("start_trace", &start_trace, py::call_guard<py::gil_scoped_release>());
+  m.def("stop_trace", &stop_trace, py::call_guard<py::gil_scoped_release>());
+  m.def("tracing", &tracing);
   m.def("get_num_devices", &get_num_devices, py::call_guard<py::gil_scoped_release>());
   m.def("get_device_names", &get_device_names, py::call_guard<py::gil_scoped_release>());
   m.def("set_sync_warmup_steps", &set_sync_warmup_steps);

@@ -36,6 +36,30 @@ class EventFence final : public Fence {
   c10::Event event_;
 };
 
+// A timing event recorded on a lane's stream. Device time between two marks
+// where the backend can measure it (torch >= 2.4), else the host time between
+// the records.
+class EventMark final : public TimeMark {
+ public:
+  explicit EventMark(const c10::Stream& stream)
+      : TimeMark(host_now_ms()), event_(stream.device_type(), c10::EventFlag::BACKEND_DEFAULT) {
+    event_.record(stream);
+  }
+  double ms_since(const TimeMark& earlier) const override {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    if (auto* e = dynamic_cast<const EventMark*>(&earlier)) {
+      e->event_.synchronize();
+      event_.synchronize();
+      return e->event_.elapsedTime(event_);
+    }
+#endif
+    return TimeMark::ms_since(earlier);
+  }
+
+ private:
+  c10::Event event_;
+};
+
 class AcceleratorDevice final : public Device {
  public:
   AcceleratorDevice(int pool_index, c10::Device device)
@@ -93,6 +117,9 @@ class AcceleratorDevice final : public Device {
   FencePtr compute_fence() override { return std::make_shared<EventFence>(compute_stream()); }
   void synchronize() override {
     for (const auto& stream : streams_) stream.synchronize();
+  }
+  MarkPtr mark(Lane lane) override {
+    return std::make_shared<EventMark>(streams_[static_cast<int>(lane)]);
   }
 
  protected:

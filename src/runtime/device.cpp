@@ -2,9 +2,15 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <utility>
 
 namespace roundpipe {
+
+double host_now_ms() {
+  using Ms = std::chrono::duration<double, std::milli>;
+  return std::chrono::duration_cast<Ms>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 Device::Device(int index, std::string name) : index_(index), name_(std::move(name)) {}
 

@@ -38,6 +38,25 @@ class Fence {
 };
 using FencePtr = std::shared_ptr<const Fence>;
 
+// A point in one lane's work, for timing (traces, per-layer times).
+class TimeMark {
+ public:
+  explicit TimeMark(double host_ms) : host_ms_(host_ms) {}
+  virtual ~TimeMark() = default;
+  // Milliseconds from `earlier` (a mark of the same device) to this mark, as
+  // the device saw it. Valid once the work before both marks has finished.
+  virtual double ms_since(const TimeMark& earlier) const { return host_ms_ - earlier.host_ms_; }
+  // Host steady clock (host_now_ms) when the mark was made.
+  double host_ms() const { return host_ms_; }
+
+ private:
+  double host_ms_;
+};
+using MarkPtr = std::shared_ptr<const TimeMark>;
+
+// The host's steady clock in milliseconds.
+double host_now_ms();
+
 class Device {
  public:
   Device(int index, std::string name);
@@ -73,6 +92,9 @@ class Device {
   virtual FencePtr compute_fence() = 0;
   // Blocks until all work submitted by this worker has finished.
   virtual void synchronize() = 0;
+  // A mark after the work submitted on `lane` so far. Also callable from the
+  // autograd thread while this device's worker waits in a backward pass.
+  virtual MarkPtr mark(Lane lane) = 0;
 
  protected:
   // Set-up run on the worker thread before any task (thread-locals).
@@ -106,6 +128,8 @@ class CpuDevice final : public Device {
   void compute_wait(const FencePtr& fence) override {}
   FencePtr compute_fence() override { return nullptr; }
   void synchronize() override {}
+  // Lanes are synchronous: a mark is the host clock now.
+  MarkPtr mark(Lane lane) override { return std::make_shared<TimeMark>(host_now_ms()); }
 
  protected:
   void run_task(const std::function<void()>& task) override;

@@ -91,16 +91,6 @@ DevicePool::DevicePool(const std::vector<std::string>& specs) {
   }
 }
 
-std::vector<int64_t> DevicePool::assign_devices(int64_t num_tasks, int64_t num_devices) {
-  TORCH_CHECK_VALUE(num_devices >= 1 && num_devices <= size(), "asked for ", num_devices,
-                    " devices; the pool has ", size(), " (ROUNDPIPE_DEVICES)");
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  std::vector<int64_t> out(num_tasks);
-  for (int64_t i = 0; i < num_tasks; ++i) out[i] = (next_ + i) % num_devices;
-  next_ = (next_ + num_tasks) % size();
-  return out;
-}
-
 void DevicePool::submit_batch(const std::vector<int64_t>& devices,
                               const std::vector<std::function<void(Device&)>>& tasks) {
   TORCH_INTERNAL_ASSERT(devices.size() == tasks.size());

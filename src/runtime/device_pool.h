@@ -25,12 +25,10 @@ class DevicePool {
   int64_t size() const { return static_cast<int64_t>(devices_.size()); }
   Device& device(int64_t i) const { return *devices_.at(i); }
 
-  // Submits a batch of tasks to the first `num_devices` devices, task i to
-  // device (first + i) % num_devices, with no other batch interleaved, so every
-  // device sees batches in the same order (a task may wait on earlier tasks of
-  // its batch without deadlock). `first` continues the round-robin from the
-  // previous batch. Returns the device index of each task.
-  std::vector<int64_t> assign_devices(int64_t num_tasks, int64_t num_devices);
+  // Submits task i to device devices[i], with no other batch interleaved, so
+  // every device sees batches in the same order (a task may wait on earlier
+  // tasks of its batch without deadlock). Which device runs which task is the
+  // scheduler's decision (src/schedule/scheduler.h).
   void submit_batch(const std::vector<int64_t>& devices,
                     const std::vector<std::function<void(Device&)>>& tasks);
 
@@ -39,7 +37,6 @@ class DevicePool {
 
   std::vector<std::unique_ptr<Device>> devices_;
   std::mutex submit_mu_;
-  int64_t next_ = 0;  // guarded by submit_mu_: round-robin position
 };
 
 }  // namespace roundpipe

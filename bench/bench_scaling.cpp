@@ -1,0 +1,110 @@
+// B4: scaling, simulated. The real scheduler and the real auto-planner on
+// modeled devices with a Qwen3-1.7B-on-RTX-4090 cost model (one microbatch
+// of ~26k tokens), for D = 1, 2, 4, 8 devices and M = D + 1 microbatches,
+// asynchronous steps; against GPipe and 1F1B over the same layers, split into
+// D balanced stages, computed by the same simulator.
+//
+// The plan is the one the auto-planner picks for D = 8 (fused run kind) and
+// is used for every D, so that speedups compare the same work.
+#include <roundpipe/auto_plan.h>
+
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "schedule/simulator.h"
+
+using namespace roundpipe;
+
+namespace {
+
+constexpr double kLinkGbps = 25.0;  // per direction per device
+constexpr int64_t kMB = 1000000;
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+// Layer 0: the embedding; 1..28: decoder blocks; 29: the final norm and the
+// LM head, whose weight is tied to the embedding (each stage holding one of
+// them uploads the 622 MB matrix).
+LayerCosts Qwen3On4090() {
+  LayerCosts c;
+  auto layer = [&](double fwd, double recompute, double bwd, int64_t params) {
+    c.fwd_ms.push_back(fwd);
+    c.recompute_ms.push_back(recompute);
+    c.bwd_ms.push_back(bwd);
+    c.param_bytes.push_back(params);
+    c.activation_bytes.push_back(107 * kMB);  // hidden states of one microbatch, fp16
+  };
+  layer(0.8, 0.8, 1.6, 622 * kMB);
+  for (int i = 0; i < 28; ++i) layer(16, 16, 32, 100 * kMB);
+  layer(48, 48, 96, 622 * kMB);
+  return c;
+}
+
+std::string Stages(const ModelExecutePlan& p) {
+  return std::to_string(p.fwd_plan.size()) + "+1+" + std::to_string(p.bwd_plan.size() - 1);
+}
+
+}  // namespace
+
+int main() {
+  const LayerCosts costs = Qwen3On4090();
+  const ModelExecutePlan plan =
+      auto_plan({costs}, AutoPlanOptions().set_run_kind(RunKind::kFused).set_min_stages(8)).at(0);
+  std::printf(
+      "B4 scaling (simulated): Qwen3-1.7B on RTX 4090 cost model, links %.0f GB/s per direction\n",
+      kLinkGbps);
+  std::printf(
+      "plan (auto-planner, D=8, fused; used for every D): %s stages (fwd+fused+bwd)\n  %s\n",
+      Stages(plan).c_str(), plan.to_string().c_str());
+  std::printf(
+      "RoundPipe: steady state of overlapping iterations (4 warm-up, then whole round-robin "
+      "periods); single = one iteration alone\n");
+  std::printf(
+      "GPipe / 1F1B: the same layers in D balanced stages (with recomputation), one flush per "
+      "iteration\n\n");
+  std::printf("%3s %3s %10s %8s %8s %9s %9s %10s %9s %10s\n", "D", "M", "mb/s", "speedup", "bubble",
+              "single", "gpipe", "gpipe mb/s", "1f1b", "1f1b mb/s");
+
+  std::map<int64_t, SimResult> rp;
+  std::map<int64_t, SimResult> gpipe, ofob;
+  for (int64_t d : {1, 2, 4, 8}) {
+    const int64_t m = d + 1;
+    rp[d] = simulate_roundpipe(costs, plan,
+                               SimOptions()
+                                   .set_num_devices(d)
+                                   .set_num_microbatch(m)
+                                   .set_link_gbps(kLinkGbps)
+                                   .set_model_name("qwen3-1.7b"));
+    const StageCosts stages = split_pipeline_stages(costs, d);
+    gpipe[d] = simulate_pipeline(PipelineSchedule::kGPipe, stages, m, kLinkGbps);
+    ofob[d] = simulate_pipeline(PipelineSchedule::k1F1B, stages, m, kLinkGbps);
+    const double speedup = rp[d].throughput / rp[1].throughput;
+    std::printf("%3lld %3lld %10.3f %8.2f %7.2f%% %8.2f%% %8.2f%% %10.3f %8.2f%% %10.3f\n",
+                (long long)d, (long long)m, rp[d].throughput, speedup, 100 * rp[d].bubble,
+                100 * rp[d].single_bubble, 100 * gpipe[d].bubble, gpipe[d].throughput,
+                100 * ofob[d].bubble, ofob[d].throughput);
+  }
+  // The same at D = 8 with free transfers: what is left is scheduling.
+  const SimResult free_links = simulate_roundpipe(
+      costs, plan, SimOptions().set_num_devices(8).set_num_microbatch(9).set_link_gbps(kInfinity));
+  const double speedup8 = rp[8].throughput / rp[1].throughput;
+  std::printf("\nD=8 with free transfers: bubble %.2f%%\n", 100 * free_links.bubble);
+  std::printf("targets (BENCHMARKS.md): bubble_d8 <= 5%% %s, speedup_d8 >= 7.5 %s\n",
+              rp[8].bubble <= 0.05 ? "met" : "NOT met", speedup8 >= 7.5 ? "met" : "NOT met");
+  std::printf(
+      "\nRESULT id=B4 bubble_d8=%.4f speedup_d8=%.3f bubble_1f1b_d8=%.4f bubble_gpipe_d8=%.4f",
+      rp[8].bubble, speedup8, ofob[8].bubble, gpipe[8].bubble);
+  for (int64_t d : {1, 2, 4}) {
+    std::printf(" speedup_d%lld=%.3f bubble_d%lld=%.4f", (long long)d,
+                rp[d].throughput / rp[1].throughput, (long long)d, rp[d].bubble);
+  }
+  for (int64_t d : {1, 2, 4, 8}) {
+    std::printf(" single_bubble_d%lld=%.4f", (long long)d, rp[d].single_bubble);
+  }
+  std::printf(
+      " bubble_d8_free_links=%.4f mb_per_s_d8=%.3f gpipe_mb_per_s_d8=%.3f 1f1b_mb_per_s_d8=%.3f\n",
+      free_links.bubble, rp[8].throughput, gpipe[8].throughput, ofob[8].throughput);
+  return 0;
+}

@@ -1,0 +1,68 @@
+"""Per-layer timing (SPEC 4.7).
+
+Every call measures each layer's forward (``fwd``), recomputation (``re``) and
+backward (``bwd``) time per microbatch on the devices. The first record of
+each is discarded; later ones update a bias-corrected moving average
+(decay 0.9). The automatic execution plan balances its stages with these
+estimates. ``ModelTimer.VERBOSE = True`` prints, after every call, one line
+per layer and action on stderr::
+
+    Layer 3 fwd  new record: 1.234 ms  new estimate: 1.200 ms
+"""
+from . import _C
+
+
+class _VerboseFlag(type):
+    """Makes ``ModelTimer.VERBOSE`` a process-wide switch of the engine."""
+
+    @property
+    def VERBOSE(cls):
+        return _C.timer_verbose()
+
+    @VERBOSE.setter
+    def VERBOSE(cls, on):
+        _C.set_timer_verbose(bool(on))
+
+
+class ModelTimer(metaclass=_VerboseFlag):
+    """The timing estimates of one RoundPipe model (``model.timer``)."""
+
+    DECAY = 0.9
+
+    def __init__(self, model):
+        self._model = model
+
+    def estimate(self, layer, action):
+        """The estimate in ms of ``action`` ("fwd", "re", "bwd") on ``layer``,
+        or None before the first kept record."""
+        return self._model._engine.timer_estimate(int(layer), action)
+
+    def num_records(self, layer, action):
+        """Records kept for ``action`` on ``layer`` (the first one is not)."""
+        return self._model._engine.timer_records(int(layer), action)
+
+    def estimates(self):
+        """``{"fwd": [...], "re": [...], "bwd": [...]}`` with None where unknown."""
+        n = len(self._model._layers)
+        return {a: [self.estimate(i, a) for i in range(n)] for a in ("fwd", "re", "bwd")}
+
+    def reset(self):
+        """Forgets every record (the next one is discarded again)."""
+        self._model._engine.timer_reset()
+
+    def __repr__(self):
+        return f"ModelTimer({self._model.name!r}, {self.estimates()!r})"
+
+
+def save_timings(path, *models):
+    """Writes the models' per-layer costs as a timings file for roundpipe-sim
+    (``roundpipe-sim --timings PATH``), atomically."""
+    engines = []
+    for model in models:
+        engine = getattr(model, "_engine", None)
+        if engine is None:
+            raise TypeError(f"save_timings: expected RoundPipe models, got {type(model).__name__}")
+        engines.append(engine)
+    if not engines:
+        raise ValueError("save_timings: give at least one model")
+    _C.save_timings(str(path), engines)

@@ -1,0 +1,650 @@
+// The scheduler simulator: an event engine over serial resources, and the
+// task graphs of RoundPipe, GPipe and 1F1B built on it (see simulator.h).
+#include "schedule/simulator.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <queue>
+#include <string>
+#include <utility>
+
+#include "schedule/scheduler.h"
+
+namespace roundpipe {
+namespace {
+
+constexpr int kNone = -1;  // "no task": ready from time 0
+
+// A list scheduler on a virtual clock. Every task occupies one serial
+// resource for its duration and starts once the tasks it depends on have
+// ended and its resource is free; a free resource takes the waiting task
+// that became ready first, then the one added first.
+class EventEngine {
+ public:
+  struct Task {
+    int resource;
+    double dur;
+    std::vector<int> next;  // tasks that depend on this one
+    int pending = 0;        // dependencies not ended yet
+    double ready = 0, start = 0, end = 0;
+  };
+
+  explicit EventEngine(int num_resources) : num_resources_(num_resources) {}
+
+  int add(int resource, double dur) {
+    tasks_.push_back(Task{resource, dur, {}});
+    return static_cast<int>(tasks_.size()) - 1;
+  }
+
+  // `task` starts after `on` ends (kNone: no-op).
+  void depend(int task, int on) {
+    if (on == kNone) return;
+    TORCH_INTERNAL_ASSERT(on != task, "simulator: a task depends on itself");
+    tasks_[on].next.push_back(task);
+    ++tasks_[task].pending;
+  }
+
+  void run() {
+    using Running = std::pair<double, int>;  // (end, task)
+    std::priority_queue<Running, std::vector<Running>, std::greater<Running>> running;
+    std::vector<std::vector<int>> waiting(num_resources_);
+    std::vector<char> busy(num_resources_, 0);
+    std::vector<int> touched;  // resources that may start a task now
+    auto enqueue = [&](int id) {
+      waiting[tasks_[id].resource].push_back(id);
+      touched.push_back(tasks_[id].resource);
+    };
+    for (size_t id = 0; id < tasks_.size(); ++id) {
+      if (tasks_[id].pending == 0) enqueue(static_cast<int>(id));
+    }
+    double now = 0;
+    size_t ended = 0;
+    for (;;) {
+      for (int r : touched) {
+        if (busy[r] || waiting[r].empty()) continue;
+        auto first = std::min_element(waiting[r].begin(), waiting[r].end(), [&](int a, int b) {
+          return std::make_pair(tasks_[a].ready, a) < std::make_pair(tasks_[b].ready, b);
+        });
+        Task& t = tasks_[*first];
+        t.start = now;
+        t.end = now + t.dur;
+        running.emplace(t.end, *first);
+        waiting[r].erase(first);
+        busy[r] = 1;
+      }
+      touched.clear();
+      if (running.empty()) break;
+      now = running.top().first;
+      while (!running.empty() && running.top().first == now) {
+        const Task& t = tasks_[running.top().second];
+        running.pop();
+        ++ended;
+        busy[t.resource] = 0;
+        touched.push_back(t.resource);
+        for (int n : t.next) {
+          tasks_[n].ready = std::max(tasks_[n].ready, now);
+          if (--tasks_[n].pending == 0) enqueue(n);
+        }
+      }
+    }
+    TORCH_INTERNAL_ASSERT(ended == tasks_.size(), "simulator: ", tasks_.size() - ended,
+                          " tasks never became ready (a dependency cycle)");
+  }
+
+  const Task& task(int id) const { return tasks_[id]; }
+  int size() const { return static_cast<int>(tasks_.size()); }
+
+ private:
+  const int num_resources_;
+  std::vector<Task> tasks_;
+};
+
+// Microbatches per second.
+double Throughput(int64_t microbatches, double ms) {
+  return ms > 0 ? 1e3 * static_cast<double>(microbatches) / ms : 0.0;
+}
+
+// Idle fraction of `devices` devices' time over `ms`, given their compute time.
+double Bubble(double busy, int64_t devices, double ms) {
+  return ms > 0 ? 1.0 - busy / (static_cast<double>(devices) * ms) : 0.0;
+}
+
+// D modeled devices on an event engine: each device's four lanes are FIFO,
+// the two upload lanes share the host-to-device link, the download lane has
+// the device-to-host link. Device -1 is the host (optimizer lane).
+class Timeline {
+ public:
+  Timeline(int64_t num_devices, double link_gbps)
+      : num_devices_(num_devices),
+        bytes_per_ms_(link_gbps * 1e6),
+        engine_(static_cast<int>(3 * num_devices + 1)),
+        last_(num_devices + 1, {kNone, kNone, kNone, kNone, kNone}) {}
+
+  // Adds a task on `lane` of `device` (-1: the host), after that lane's
+  // previous task. `event` describes it; its device, lane and times are set
+  // here and by run().
+  int add(int64_t device, TraceLane lane, double dur_ms, TraceEvent event) {
+    const int id = engine_.add(resource(device, lane), dur_ms);
+    int& last = last_[device + 1][static_cast<int>(lane)];
+    engine_.depend(id, last);
+    last = id;
+    event.device = device;
+    event.lane = lane;
+    events_.push_back(std::move(event));
+    iteration_of_.push_back(iteration_);
+    return id;
+  }
+
+  // A transfer of `bytes` on `lane` of `device` after `after`; with no bytes
+  // there is nothing to move and the value is ready when `after` ends.
+  int transfer(int64_t device, TraceLane lane, int64_t bytes, int after, TraceEvent event) {
+    if (bytes == 0) return after;
+    event.bytes = bytes;
+    const int id = add(device, lane, static_cast<double>(bytes) / bytes_per_ms_, std::move(event));
+    depend(id, after);
+    return id;
+  }
+
+  void depend(int task, int on) { engine_.depend(task, on); }
+
+  void run() {
+    engine_.run();
+    for (int id = 0; id < engine_.size(); ++id) {
+      events_[id].start_us = engine_.task(id).start * 1e3;
+      events_[id].dur_us = engine_.task(id).dur * 1e3;
+    }
+  }
+
+  double start(int id) const { return engine_.task(id).start; }
+  double end(int id) const { return engine_.task(id).end; }
+  int size() const { return engine_.size(); }
+  bool is_compute(int id) const { return events_[id].lane == TraceLane::kCompute; }
+
+  // End of the last task of each iteration (after run()).
+  std::vector<double> iteration_ends(int64_t iterations) const {
+    std::vector<double> ends(iterations, 0.0);
+    for (int id = 0; id < size(); ++id) {
+      if (events_[id].device < 0) continue;  // the optimizer is off the critical path
+      ends[iteration_of_[id]] = std::max(ends[iteration_of_[id]], end(id));
+    }
+    return ends;
+  }
+
+  // Compute time of all devices inside [from, to].
+  double busy_between(double from, double to) const {
+    double busy = 0;
+    for (int id = 0; id < size(); ++id) {
+      if (is_compute(id)) busy += std::max(0.0, std::min(end(id), to) - std::max(start(id), from));
+    }
+    return busy;
+  }
+
+  // The run's figures, taken as one iteration from time 0 to the end.
+  SimResult summary(int64_t num_microbatch) const {
+    SimResult r;
+    r.num_devices = num_devices_;
+    r.num_microbatch = num_microbatch;
+    r.busy_ms.assign(num_devices_, 0.0);
+    for (int id = 0; id < size(); ++id) {
+      r.makespan_ms = std::max(r.makespan_ms, end(id));
+      if (is_compute(id)) r.busy_ms[events_[id].device] += engine_.task(id).dur;
+    }
+    r.single_iteration_ms = r.iteration_ms = r.makespan_ms;
+    r.single_throughput = r.throughput = Throughput(num_microbatch, r.makespan_ms);
+    r.single_bubble = r.bubble =
+        Bubble(busy_between(0, r.makespan_ms), num_devices_, r.makespan_ms);
+    r.events = events_;
+    return r;
+  }
+
+  // Tasks added from now on belong to `iteration`.
+  void set_iteration(int64_t iteration) { iteration_ = iteration; }
+  int64_t iteration() const { return iteration_; }
+
+ private:
+  int resource(int64_t device, TraceLane lane) const {
+    if (device < 0) return static_cast<int>(3 * num_devices_);
+    switch (lane) {
+      case TraceLane::kCompute:
+        return static_cast<int>(3 * device);
+      case TraceLane::kParamUpload:
+      case TraceLane::kActUpload:
+        return static_cast<int>(3 * device + 1);
+      default:
+        return static_cast<int>(3 * device + 2);
+    }
+  }
+
+  const int64_t num_devices_;
+  const double bytes_per_ms_;
+  EventEngine engine_;
+  std::vector<std::array<int, 5>> last_;  // [device + 1][lane]: the lane's last task
+  std::vector<TraceEvent> events_;        // [task]
+  std::vector<int64_t> iteration_of_;     // [task]
+  int64_t iteration_ = 0;
+};
+
+// ---- RoundPipe ----
+
+// A value between jobs: on `device` (-1: the host) once `task` ends; moving
+// it to a device takes `bytes` over the link.
+struct Value {
+  int task = kNone;
+  int64_t device = -1;
+  int64_t bytes = 0;
+};
+
+// The calls of one iteration.
+std::vector<CallKind> CallsOf(RunKind kind) {
+  if (kind == RunKind::kFused) return {CallKind::kFused};
+  if (kind == RunKind::kTrain) return {CallKind::kForward, CallKind::kBackward};
+  return {CallKind::kForward};
+}
+
+std::string Str(const LayerRange& r) {
+  return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
+}
+
+class RoundPipeSim {
+ public:
+  RoundPipeSim(const LayerCosts& costs, const ModelExecutePlan& plan, const SimOptions& o)
+      : c_(costs),
+        plan_(plan),
+        o_(o),
+        tl_(o.num_devices, o.link_gbps),
+        rr_(o.num_devices),
+        fifo_(o.num_devices) {}
+
+  // Adds `iterations` iterations, then runs them.
+  Timeline& run(int64_t iterations) {
+    for (int64_t it = 0; it < iterations; ++it) add_iteration(it);
+    tl_.run();
+    return tl_;
+  }
+
+ private:
+  struct JobRecord {
+    int64_t call;
+    int last_compute;
+  };
+
+  // What an iteration's calls share.
+  struct Iteration {
+    std::map<int64_t, std::vector<Value>> saved;  // [layer][m]: saved stage inputs on the host
+    std::vector<Value> outputs;                   // [m]: the forward call's outputs (kTrain)
+    std::vector<int> grads;                       // gradient downloads
+  };
+
+  int64_t act(int64_t layer) const {  // bytes handed on after `layer`
+    return c_.activation_bytes.empty() ? 0 : c_.activation_bytes[layer];
+  }
+
+  void add_iteration(int64_t it) {
+    tl_.set_iteration(it);
+    Iteration iter;
+    const int64_t m = o_.num_microbatch;
+    for (CallKind kind : CallsOf(o_.run_kind)) {
+      std::vector<JobSpec> jobs = make_jobs(plan_, kind);
+      rr_.assign(jobs, o_.num_devices);
+      std::vector<char> saves(c_.num_layers(), 0);  // forward jobs save this layer's input
+      if (kind != CallKind::kBackward && o_.run_kind != RunKind::kInfer) {
+        const size_t first = kind == CallKind::kFused ? 1 : 0;  // the fused stage saves nothing
+        for (size_t s = first; s < plan_.bwd_plan.size(); ++s) saves[plan_.bwd_plan[s].begin] = 1;
+      }
+      std::vector<Value> flow(m, Value{kNone, -1, o_.input_bytes});
+      if (kind == CallKind::kBackward) {
+        for (int64_t i = 0; i < m; ++i) flow[i] = Value{iter.outputs[i].task, -1, o_.output_bytes};
+      }
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        const int64_t next = j + 1 < jobs.size() ? jobs[j + 1].device : -1;
+        flow = add_job(jobs[j], next, flow, saves, iter);
+      }
+      if (kind == CallKind::kForward) iter.outputs = flow;
+      ++call_;
+    }
+    if (o_.optimizer_ms > 0) {
+      TraceEvent e;
+      e.kind = "optimizer";
+      e.name = "step " + std::to_string(it);
+      e.model = o_.model_name;
+      const int step = tl_.add(-1, TraceLane::kOptimizer, o_.optimizer_ms, e);
+      for (int g : iter.grads) tl_.depend(step, g);
+      steps_.push_back(step);
+    }
+  }
+
+  TraceEvent Describe(const JobSpec& job, const char* kind, std::string name, LayerRange layers,
+                      int64_t microbatch) const {
+    TraceEvent e;
+    e.kind = kind;
+    e.name = std::move(name);
+    e.model = o_.model_name;
+    e.call = call_;
+    e.job = job_kind_name(job.kind);
+    e.stage = job.stage;
+    e.layer_begin = layers.begin;
+    e.layer_end = layers.end;
+    e.microbatch = microbatch;
+    return e;
+  }
+
+  // `v` on device `d`: the task after which it is there.
+  int to_device(int64_t d, const Value& v, TraceEvent event) {
+    if (v.device == d) return v.task;
+    TORCH_INTERNAL_ASSERT(v.device == -1,
+                          "simulator: a value moves between devices without the host");
+    return tl_.transfer(d, TraceLane::kActUpload, v.bytes, v.task, std::move(event));
+  }
+
+  // A value made on `d` by `task`, handed to `consumer` (-1: the host).
+  Value hand_off(int64_t d, int task, int64_t bytes, int64_t consumer, TraceEvent event) {
+    if (consumer == d) return Value{task, d, bytes};
+    return Value{tl_.transfer(d, TraceLane::kDownload, bytes, task, std::move(event)), -1, bytes};
+  }
+
+  int compute(int64_t d, double ms, std::initializer_list<int> deps, TraceEvent event) {
+    const int id = tl_.add(d, TraceLane::kCompute, ms, std::move(event));
+    for (int dep : deps) tl_.depend(id, dep);
+    return id;
+  }
+
+  double sum(const std::vector<double>& a, const std::vector<double>* b, LayerRange r) const {
+    double t = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) t += a[l] + (b ? (*b)[l] : 0.0);
+    return t;
+  }
+
+  std::vector<Value> add_job(const JobSpec& job, int64_t next, const std::vector<Value>& in,
+                             const std::vector<char>& saves, Iteration& iter) {
+    const int64_t d = job.device;
+    const LayerRange r = job.layers;
+    const std::string tag =
+        std::string(job_kind_name(job.kind)).substr(0, 3) + " s" + std::to_string(job.stage);
+    std::vector<JobRecord>& fifo = fifo_[d];
+    const size_t k = fifo.size();
+
+    // Parameters: prefetched when the previous job on this device is of the
+    // same call (issued when that one was picked up), else uploaded when
+    // this job is picked up; each pick-up is the end of the compute before.
+    const int pickup = k >= 1 ? fifo[k - 1].last_compute : kNone;
+    const int pickup_prev = k >= 2 ? fifo[k - 2].last_compute : kNone;
+    const int issue = k >= 1 && fifo[k - 1].call == call_ ? pickup_prev : pickup;
+    int64_t param_bytes = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) param_bytes += c_.param_bytes[l];
+    // One step behind: this iteration's parameters wait for the step two before.
+    const int step = steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
+    int params = step;
+    if (param_bytes > 0) {
+      params = tl_.transfer(d, TraceLane::kParamUpload, param_bytes, issue,
+                            Describe(job, "upload", "params " + tag + " " + Str(r), r, -1));
+      tl_.depend(params, step);
+    }
+
+    std::vector<Value> out(in.size());
+    int last = kNone;
+    for (int64_t m = 0; m < static_cast<int64_t>(in.size()); ++m) {
+      const std::string mb = " mb" + std::to_string(m);
+      const int input = to_device(d, in[m], Describe(job, "handoff", "in " + tag + mb, r, m));
+      if (job.kind == JobKind::kForward) {
+        // Compute is split where a layer's input is saved for the backward pass.
+        int done = input;
+        int64_t begin = r.begin;
+        for (int64_t l = r.begin; l <= r.end; ++l) {
+          if (l > begin && (l == r.end || saves[l])) {
+            const LayerRange seg{begin, l};
+            done = compute(d, sum(c_.fwd_ms, nullptr, seg), {input, params},
+                           Describe(job, "compute", tag + mb + " " + Str(seg), seg, m));
+            begin = l;
+          }
+          if (l < r.end && saves[l]) {  // layer 0's input stays on the host
+            iter.saved[l].resize(in.size());
+            iter.saved[l][m] =
+                l == 0
+                    ? in[m]
+                    : hand_off(d, done, act(l - 1), -1,
+                               Describe(job, "handoff", "save L" + std::to_string(l) + mb, r, m));
+          }
+        }
+        last = done;
+        const int64_t bytes = r.end == c_.num_layers() ? o_.output_bytes : act(r.end - 1);
+        out[m] = hand_off(d, last, bytes, next, Describe(job, "handoff", "out " + tag + mb, r, m));
+      } else {
+        int saved = kNone;
+        double ms = sum(c_.fwd_ms, &c_.bwd_ms, r);
+        if (job.kind == JobKind::kBackward) {
+          saved = to_device(d, iter.saved.at(r.begin)[m],
+                            Describe(job, "handoff", "saved input " + tag + mb, r, m));
+          ms = sum(c_.recompute_ms, &c_.bwd_ms, r);
+        }
+        last = compute(d, ms, {input, saved, params}, Describe(job, "compute", tag + mb, r, m));
+        const int64_t bytes = r.begin == 0 ? 0 : act(r.begin - 1);
+        out[m] = hand_off(d, last, bytes, next, Describe(job, "handoff", "grad " + tag + mb, r, m));
+      }
+    }
+    if (job.kind != JobKind::kForward) {
+      const int grads = tl_.transfer(d, TraceLane::kDownload, param_bytes, last,
+                                     Describe(job, "download", "grads " + tag, r, -1));
+      iter.grads.push_back(grads);
+    }
+    fifo.push_back(JobRecord{call_, last});
+    return out;
+  }
+
+  const LayerCosts& c_;
+  const ModelExecutePlan& plan_;
+  const SimOptions& o_;
+  Timeline tl_;
+  RoundRobin rr_;
+  std::vector<std::vector<JobRecord>> fifo_;  // [device]: its jobs so far, in order
+  std::vector<int> steps_;                    // [iteration]: optimizer steps
+  int64_t call_ = 0;
+};
+
+void CheckOptions(const SimOptions& o) {
+  TORCH_CHECK_VALUE(o.num_devices >= 1, "simulator: num_devices must be >= 1, got ", o.num_devices);
+  TORCH_CHECK_VALUE(o.num_microbatch >= 1, "simulator: num_microbatch must be >= 1, got ",
+                    o.num_microbatch);
+  TORCH_CHECK_VALUE(o.link_gbps > 0, "simulator: link_gbps must be > 0 GB/s, got ", o.link_gbps,
+                    " (use infinity for free transfers)");
+  TORCH_CHECK_VALUE(o.input_bytes >= 0 && o.output_bytes >= 0,
+                    "simulator: input_bytes and output_bytes must be >= 0, got ", o.input_bytes,
+                    " and ", o.output_bytes);
+  TORCH_CHECK_VALUE(std::isfinite(o.optimizer_ms) && o.optimizer_ms >= 0,
+                    "simulator: optimizer_ms must be finite and >= 0 (0: not modeled), got ",
+                    o.optimizer_ms);
+  TORCH_CHECK_VALUE(o.optimizer_ms == 0 || o.run_kind != RunKind::kInfer,
+                    "simulator: optimizer_ms is for training; set it to 0 for RunKind::kInfer");
+  TORCH_CHECK_VALUE(o.warmup_iterations >= 0 && o.measured_iterations >= 0,
+                    "simulator: warmup_iterations and measured_iterations must be >= 0, got ",
+                    o.warmup_iterations, " and ", o.measured_iterations,
+                    " (measured_iterations 0 picks a count)");
+}
+
+void CheckCosts(const StageCosts& s, int64_t num_microbatch, double link_gbps) {
+  const size_t p = s.fwd_ms.size();
+  TORCH_CHECK_VALUE(p >= 1, "simulate_pipeline: no stage; fwd_ms needs one entry per stage");
+  TORCH_CHECK_VALUE(s.bwd_ms.size() == p && (s.output_bytes.empty() || s.output_bytes.size() == p),
+                    "simulate_pipeline: ", p, " fwd_ms entries but ", s.bwd_ms.size(),
+                    " bwd_ms and ", s.output_bytes.size(),
+                    " output_bytes: give one of each per stage");
+  for (size_t i = 0; i < p; ++i) {
+    TORCH_CHECK_VALUE(std::isfinite(s.fwd_ms[i]) && s.fwd_ms[i] >= 0 &&
+                          std::isfinite(s.bwd_ms[i]) && s.bwd_ms[i] >= 0,
+                      "simulate_pipeline: stage ", i, " costs fwd ", s.fwd_ms[i], " ms, bwd ",
+                      s.bwd_ms[i], " ms: stage times must be finite and >= 0");
+    TORCH_CHECK_VALUE(s.output_bytes.empty() || s.output_bytes[i] >= 0, "simulate_pipeline: stage ",
+                      i, " has output_bytes ", s.output_bytes[i], ": must be >= 0");
+  }
+  TORCH_CHECK_VALUE(num_microbatch >= 1, "simulate_pipeline: num_microbatch must be >= 1, got ",
+                    num_microbatch);
+  TORCH_CHECK_VALUE(link_gbps > 0, "simulate_pipeline: link_gbps must be > 0 GB/s, got ", link_gbps,
+                    " (use infinity for free transfers)");
+}
+
+}  // namespace
+
+SimResult simulate_roundpipe(const LayerCosts& costs, const ModelExecutePlan& plan,
+                             const SimOptions& options) {
+  CheckOptions(options);
+  worst_stage_ms(plan, costs, options.run_kind);  // validates the costs and the plan
+
+  // The round-robin period: iterations until every job is on its device again.
+  int64_t jobs = 0;
+  for (CallKind kind : CallsOf(options.run_kind)) {
+    jobs += static_cast<int64_t>(make_jobs(plan, kind).size());
+  }
+  const int64_t period = options.num_devices / std::gcd(jobs, options.num_devices);
+  const int64_t w = options.warmup_iterations;
+  const int64_t n = options.measured_iterations > 0 ? options.measured_iterations
+                                                    : period * ((8 + period - 1) / period);
+  const int64_t iterations = w + n + 2;
+
+  RoundPipeSim sim(costs, plan, options);
+  const Timeline& tl = sim.run(iterations);
+  SimResult r = tl.summary(options.num_microbatch);
+  r.iterations = iterations;
+  r.measured_iterations = n;
+  const std::vector<double> ends = tl.iteration_ends(iterations);
+  const double from = w == 0 ? 0.0 : ends[w - 1];
+  const double to = ends[w + n - 1];
+  // Iterations on different devices can end together; whole periods cannot.
+  TORCH_CHECK_VALUE(to > from || to == 0, "simulator: the measured iterations ", w, "..", w + n - 1,
+                    " end no later than iteration ", w - 1,
+                    ", so they span no time; measure a multiple of the round-robin period (",
+                    period, " iterations here), or set measured_iterations to 0 to pick one");
+  r.iteration_ms = (to - from) / static_cast<double>(n);
+  r.throughput = Throughput(options.num_microbatch, r.iteration_ms);
+  r.bubble = Bubble(tl.busy_between(from, to), options.num_devices, to - from);
+
+  RoundPipeSim alone(costs, plan, options);
+  const SimResult one = alone.run(1).summary(options.num_microbatch);
+  r.single_iteration_ms = one.single_iteration_ms;
+  r.single_throughput = one.single_throughput;
+  r.single_bubble = one.single_bubble;
+  return r;
+}
+
+const char* pipeline_schedule_name(PipelineSchedule schedule) {
+  return schedule == PipelineSchedule::kGPipe ? "GPipe" : "1F1B";
+}
+
+StageCosts split_pipeline_stages(const LayerCosts& costs, int64_t num_stages, bool recompute) {
+  worst_stage_ms(ModelExecutePlan{{LayerRange{0, costs.num_layers()}}, {}}, costs,
+                 RunKind::kInfer);  // validates the costs
+  const int64_t n = costs.num_layers();
+  TORCH_CHECK_VALUE(num_stages >= 1 && num_stages <= n, "split_pipeline_stages: cannot split ", n,
+                    " layers into ", num_stages, " stages; ask for 1 to ", n);
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int64_t l = 0; l < n; ++l) {
+    prefix[l + 1] =
+        prefix[l] + costs.fwd_ms[l] + costs.bwd_ms[l] + (recompute ? costs.recompute_ms[l] : 0);
+  }
+  // best[s][e]: the smallest largest stage time of s stages over layers [0, e).
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(num_stages + 1, std::vector<double>(n + 1, kInf));
+  std::vector<std::vector<int64_t>> cut(num_stages + 1, std::vector<int64_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (int64_t s = 1; s <= num_stages; ++s) {
+    for (int64_t e = s; e <= n; ++e) {
+      for (int64_t b = s - 1; b < e; ++b) {
+        const double t = std::max(best[s - 1][b], prefix[e] - prefix[b]);
+        if (t < best[s][e]) {
+          best[s][e] = t;
+          cut[s][e] = b;
+        }
+      }
+    }
+  }
+  std::vector<LayerRange> stages(num_stages);
+  for (int64_t s = num_stages, e = n; s >= 1; e = cut[s][e], --s) stages[s - 1] = {cut[s][e], e};
+  StageCosts out;
+  for (const LayerRange& r : stages) {
+    double f = 0, b = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      f += costs.fwd_ms[l];
+      b += costs.bwd_ms[l] + (recompute ? costs.recompute_ms[l] : 0);
+    }
+    out.fwd_ms.push_back(f);
+    out.bwd_ms.push_back(b);
+    out.output_bytes.push_back(costs.activation_bytes.empty() ? 0
+                                                              : costs.activation_bytes[r.end - 1]);
+  }
+  return out;
+}
+
+SimResult simulate_pipeline(PipelineSchedule schedule, const StageCosts& stages,
+                            int64_t num_microbatch, double link_gbps) {
+  CheckCosts(stages, num_microbatch, link_gbps);
+  const int64_t p = static_cast<int64_t>(stages.fwd_ms.size());
+  const int64_t m = num_microbatch;
+  auto bytes = [&](int64_t i) { return stages.output_bytes.empty() ? 0 : stages.output_bytes[i]; };
+
+  // Each device's compute order: (backward?, microbatch).
+  std::vector<std::vector<std::pair<bool, int64_t>>> order(p);
+  for (int64_t i = 0; i < p; ++i) {
+    const int64_t warm = schedule == PipelineSchedule::kGPipe ? m : std::min(p - i - 1, m);
+    for (int64_t k = 0; k < warm; ++k) order[i].emplace_back(false, k);
+    for (int64_t k = 0; k < m - warm; ++k) {
+      order[i].emplace_back(false, warm + k);
+      order[i].emplace_back(true, k);
+    }
+    for (int64_t k = m - warm; k < m; ++k) order[i].emplace_back(true, k);
+  }
+
+  Timeline tl(p, link_gbps);
+  auto event = [&](const char* kind, const std::string& name, bool bwd, int64_t i, int64_t k) {
+    TraceEvent e;
+    e.kind = kind;
+    e.name = name;
+    e.model = pipeline_schedule_name(schedule);
+    e.call = 0;
+    e.job = bwd ? "backward" : "forward";
+    e.stage = i;
+    e.microbatch = k;
+    return e;
+  };
+  auto label = [](bool bwd, int64_t i, int64_t k) {
+    return std::string(bwd ? "bwd" : "fwd") + " s" + std::to_string(i) + " mb" + std::to_string(k);
+  };
+  // [backward?][stage][microbatch]: compute tasks, then their outputs on the host.
+  std::vector<std::vector<int>> none(p, std::vector<int>(m, kNone));
+  std::vector<std::vector<int>> task[2] = {none, none}, sent[2] = {none, none};
+  for (int64_t i = 0; i < p; ++i) {
+    for (auto [bwd, k] : order[i]) {
+      task[bwd][i][k] = tl.add(i, TraceLane::kCompute, bwd ? stages.bwd_ms[i] : stages.fwd_ms[i],
+                               event("compute", label(bwd, i, k), bwd, i, k));
+    }
+  }
+  // Downloads in each producer's compute order, uploads in each consumer's.
+  for (int64_t i = 0; i < p; ++i) {
+    for (auto [bwd, k] : order[i]) {
+      if (bwd ? i == 0 : i == p - 1) continue;
+      sent[bwd][i][k] =
+          tl.transfer(i, TraceLane::kDownload, bytes(bwd ? i - 1 : i), task[bwd][i][k],
+                      event("handoff", "out " + label(bwd, i, k), bwd, i, k));
+    }
+  }
+  for (int64_t i = 0; i < p; ++i) {
+    for (auto [bwd, k] : order[i]) {
+      if (bwd ? i == p - 1 : i == 0) continue;
+      const int64_t from = bwd ? i + 1 : i - 1;
+      const int in =
+          tl.transfer(i, TraceLane::kActUpload, bytes(bwd ? i : i - 1), sent[bwd][from][k],
+                      event("handoff", "in " + label(bwd, i, k), bwd, i, k));
+      tl.depend(task[bwd][i][k], in);
+    }
+  }
+  tl.run();
+  SimResult r = tl.summary(m);
+  r.iterations = r.measured_iterations = 1;
+  return r;
+}
+
+}  // namespace roundpipe
