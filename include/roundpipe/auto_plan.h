@@ -11,7 +11,13 @@
 // may then take up to the shared budget upper_threshold * T*; each model uses
 // the FEWEST stages that stay within that budget (each stage boundary is a
 // hand-over between devices, so fewer stages means fewer transfers), and no
-// fewer than min_stages per pass where the model has enough layers. With its
+// fewer than min_stages where the model has enough layers: per pass for
+// kInfer and kTrain (each pass is its own call), in all for kFused (its one
+// call hands every stage, fused stage included, round-robin to the devices;
+// stages beyond the fewest go to the pass where they lower the worst stage
+// time most). Stages of about equal time keep the devices busiest: with
+// M = D + 1 microbatches, a stage much shorter than its neighbours leaves its
+// device waiting for input. With its
 // stage counts fixed, each pass is split so that its worst stage time is the
 // smallest possible (exact, not heuristic), with stage boundaries as close to
 // an even split of the pass's time as that allows. The forward pass is
@@ -54,8 +60,9 @@ struct LayerCosts {
 
 struct AutoPlanOptions {
   RunKind run_kind = RunKind::kTrain;
-  // Stages per pass, at least; capped at the model's layer count. Usually the
-  // number of devices, so that each device gets work. >= 1.
+  // Stages per pass (kInfer, kTrain) or per fused call in all (kFused), at
+  // least; capped at what the layers allow (n per pass, 2n - 1 fused).
+  // Usually the number of devices, so that each device gets work. >= 1.
   int64_t min_stages = 1;
   // How much slower than the best reachable bottleneck a plan may be in
   // exchange for fewer stages. >= 1; 1 asks for the best bottleneck.

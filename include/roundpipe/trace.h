@@ -21,8 +21,9 @@ namespace roundpipe {
 void start_trace(const std::string& path);
 
 // Writes what was recorded since start_trace (atomically: the file is
-// replaced whole) and stops recording. Calls running meanwhile are written up
-// to their end. No-op when not tracing. Throws c10::Error when the file
+// replaced whole) and stops recording. A call's events are added when the
+// call returns, an optimizer step's when it ends: stop after synchronize() to
+// include everything. No-op when not tracing. Throws c10::Error when the file
 // cannot be written (recording stops anyway).
 void stop_trace();
 

@@ -58,7 +58,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     store = std::make_unique<HostStore>(layers, pinned);
     for (size_t i = 0; i < layers.size(); ++i) random_use.push_back(std::make_unique<RandomUse>());
     if (defaults.num_microbatch()) check_num_microbatch(*defaults.num_microbatch());
-    if (defaults.execute_plan()) defaults.execute_plan()->validate(num_layers(), RunKind::kInfer);
+    if (defaults.execute_plan()) check_model_plan(*defaults.execute_plan());
     param_gate = std::make_unique<ParamGate>(num_layers());
     make_optimizer_copies(options.optim_dtype);
     // Packing into arenas and cloning replicas freed about the model's size
@@ -67,6 +67,14 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // A plan in the model's run config: checked for the calls it can serve
+  // (forward_backward when its forward part stops before the last layer);
+  // each call checks it again for its own kind.
+  void check_model_plan(const ModelExecutePlan& plan) const {
+    const bool fused = !plan.fwd_plan.empty() ? plan.fwd_plan.back().end < num_layers() : !plan.bwd_plan.empty();
+    plan.validate(num_layers(), fused ? RunKind::kFused : plan.bwd_plan.empty() ? RunKind::kInfer : RunKind::kTrain);
+  }
 
   static void check_num_microbatch(int64_t m) {
     TORCH_CHECK_VALUE(m >= 1, "num_microbatch must be >= 1, got ", m);

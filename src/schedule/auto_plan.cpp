@@ -227,12 +227,13 @@ double MaxLayerTime(const Pass& p, int64_t end) {
 }
 
 // The smallest s for which the fused stage [s, n) fits the byte limit and
-// leaves the s >= min_count - 1 layers that each pass's other stages need.
+// leaves enough layers for min_count stages in all: s layers make at most
+// 2s + 1 stages (each layer a forward and a backward stage).
 int64_t FirstFusedBegin(const Model& m, int64_t min_count) {
   const std::vector<int64_t>& bytes = *m.fused.bytes;
   int64_t s = m.n - 1;
   int64_t b = bytes[s];
-  while (s - 1 >= min_count - 1 && bytes[s - 1] <= m.fused.max_stage_bytes - b) b += bytes[--s];
+  while (2 * (s - 1) + 1 >= min_count && bytes[s - 1] <= m.fused.max_stage_bytes - b) b += bytes[--s];
   return s;
 }
 
@@ -290,16 +291,29 @@ ModelExecutePlan PlanModel(const Model& m, RunKind kind, int64_t min_count, doub
       const int64_t fwd_fewest = MinStages(m.fwd, 0, s, budget);
       const int64_t bwd_fewest = MinStages(m.bwd, 0, s, budget);
       if (fwd_fewest == kNoPartition || bwd_fewest == kNoPartition) continue;
-      c.fwd_k = std::max(fwd_fewest, min_count - 1);
-      c.bwd_k = std::max(bwd_fewest, min_count - 1);
+      // Stages beyond the fewest, when min_count asks for more, go where
+      // they lower the worst stage time most.
+      const int64_t total = std::max(fwd_fewest + bwd_fewest, min_count - 1);
+      if (total > best.stages - 1) continue;
+      double chosen = kInf;
+      for (int64_t kf = fwd_fewest; kf <= std::min(s, total - bwd_fewest); ++kf) {
+        const int64_t kb = total - kf;
+        if (kb > s) continue;
+        const double fx = BestBottleneck(m.fwd, 0, s, kf);
+        const double bx = BestBottleneck(m.bwd, 0, s, kb);
+        if (std::max(fx, bx) < chosen) {
+          chosen = std::max(fx, bx);
+          c.fwd_k = kf;
+          c.bwd_k = kb;
+          c.fwd_x = fx;
+          c.bwd_x = bx;
+        }
+      }
+      if (chosen == kInf) continue;
+      c.worst = std::max(c.worst, chosen);
     }
     c.stages = c.fwd_k + c.bwd_k + 1;
     if (c.stages > best.stages) continue;
-    if (s > 0) {
-      c.fwd_x = BestBottleneck(m.fwd, 0, s, c.fwd_k);
-      c.bwd_x = BestBottleneck(m.bwd, 0, s, c.bwd_k);
-      c.worst = std::max({c.worst, c.fwd_x, c.bwd_x});
-    }
     if (c.stages < best.stages || c.worst <= best.worst) best = c;
   }
   TORCH_INTERNAL_ASSERT(best.begin >= 0, "auto_plan: no fused stage within budget");
@@ -369,15 +383,18 @@ std::vector<ModelExecutePlan> auto_plan(const std::vector<LayerCosts>& models,
 
   // The shared budget: upper_threshold times the best bottleneck reachable
   // by all models together, which is the worst of each model's best.
+  // Stage minimum: per pass, or for a fused plan in all (its one call hands
+  // every stage to the devices), capped at what the layers allow.
+  const auto min_count = [&](const Model& m) {
+    return std::min(options.min_stages, options.run_kind == RunKind::kFused ? 2 * m.n - 1 : m.n);
+  };
   double best = 0.0;
-  for (const Model& m : built) {
-    best = std::max(best, BestReachable(m, options.run_kind, std::min(options.min_stages, m.n)));
-  }
+  for (const Model& m : built) best = std::max(best, BestReachable(m, options.run_kind, min_count(m)));
   const double budget = options.upper_threshold * best;
 
   std::vector<ModelExecutePlan> plans;
   for (const Model& m : built) {
-    plans.push_back(PlanModel(m, options.run_kind, std::min(options.min_stages, m.n), budget));
+    plans.push_back(PlanModel(m, options.run_kind, min_count(m), budget));
     plans.back().validate(m.n, options.run_kind);
   }
   return plans;

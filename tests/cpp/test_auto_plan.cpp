@@ -130,7 +130,7 @@ struct Shape {
 std::vector<Shape> AllShapes(const LayerCosts& c, RunKind kind, int64_t min_stages, int64_t limit) {
   const Times t(c);
   const int64_t n = c.num_layers();
-  const int64_t kmin = std::min(min_stages, n);
+  const int64_t kmin = std::min(min_stages, kind == RunKind::kFused ? 2 * n - 1 : n);
   std::vector<Shape> out;
   if (kind != RunKind::kFused) {
     const auto f = BestByCount(t.fwd, c.param_bytes, n, limit);
@@ -145,14 +145,15 @@ std::vector<Shape> AllShapes(const LayerCosts& c, RunKind kind, int64_t min_stag
     return out;
   }
   // Fused: the fused stage [s, n), then kf forward and kb backward stages over
-  // [0, s); each pass (fused stage included) needs kmin stages.
+  // [0, s); kmin stages in all.
   for (int64_t s = 0; s < n; ++s) {
     if (!Fits(c.param_bytes, s, n, limit)) continue;
     const double fused = Sum(t.fused, s, n);
     const auto f = BestByCount(t.fwd, c.param_bytes, s, limit);
     const auto b = BestByCount(t.bwd, c.param_bytes, s, limit);
-    for (int64_t kf = std::max<int64_t>(kmin - 1, s > 0); kf <= s; ++kf) {
-      for (int64_t kb = std::max<int64_t>(kmin - 1, s > 0); kb <= s; ++kb) {
+    for (int64_t kf = s > 0; kf <= s; ++kf) {
+      for (int64_t kb = s > 0; kb <= s; ++kb) {
+        if (kf + kb + 1 < kmin) continue;
         out.push_back({kf + kb + 1, std::max({fused, f[kf], b[kb]})});
       }
     }
@@ -187,12 +188,16 @@ void CheckAgainstBruteForce(const ModelExecutePlan& plan, const LayerCosts& c,
       EXPECT_TRUE(Fits(c.param_bytes, r.begin, r.end, o.model_memory_limit_bytes));
     }
   }
-  // Stage minimum per pass, capped at the layer count.
-  const int64_t kmin = std::min(o.min_stages, n);
-  const int64_t fused = o.run_kind == RunKind::kFused ? 1 : 0;
-  EXPECT_GE(static_cast<int64_t>(plan.fwd_plan.size()) + fused, kmin);
-  if (o.run_kind != RunKind::kInfer) {
-    EXPECT_GE(static_cast<int64_t>(plan.bwd_plan.size()), kmin);
+  // Stage minimum per pass, or in all for a fused plan, capped at what the
+  // layers allow.
+  if (o.run_kind == RunKind::kFused) {
+    EXPECT_GE(StageCount(plan, o.run_kind), std::min(o.min_stages, 2 * n - 1));
+  } else {
+    const int64_t kmin = std::min(o.min_stages, n);
+    EXPECT_GE(static_cast<int64_t>(plan.fwd_plan.size()), kmin);
+    if (o.run_kind == RunKind::kTrain) {
+      EXPECT_GE(static_cast<int64_t>(plan.bwd_plan.size()), kmin);
+    }
   }
 
   // Within budget, with the fewest stages the budget allows, and the best
@@ -312,7 +317,7 @@ TEST(AutoPlan, FusedPlanEndsForwardAtTheFusedStage) {
   // Light layers: everything fits in the fused stage.
   EXPECT_EQ(AutoOne(Costs({0, 0, 0}), AutoPlanOptions().set_run_kind(RunKind::kFused)),
             Plan({}, {{0, 3}}));
-  // Two stages per pass: the fused stage is one of them.
+  // Two stages in all: a fused plan with a forward stage has at least three.
   const ModelExecutePlan p = AutoOne(
       Costs({0, 0, 0, 0}), AutoPlanOptions().set_run_kind(RunKind::kFused).set_min_stages(2));
   EXPECT_EQ(p.fwd_plan.size(), 1u);

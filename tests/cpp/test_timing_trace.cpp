@@ -1,0 +1,323 @@
+// Per-layer timing (ModelTimer), timeline traces of real runs, and the
+// simulator against a real run.
+#include <gtest/gtest.h>
+#include <roundpipe/roundpipe.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <set>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "models.h"
+#include "schedule/simulator.h"
+
+namespace roundpipe {
+namespace {
+
+using testing::make_mlp;
+
+// ---- ModelTimer ----
+
+TEST(ModelTimer, DiscardsTheFirstRecordThenAveragesWithBiasCorrection) {
+  ModelTimer timer(2);
+  timer.record(1, LayerAction::kForward, 100.0);  // warm-up, discarded
+  EXPECT_FALSE(timer.estimate(1, LayerAction::kForward).has_value());
+  EXPECT_EQ(timer.num_records(1, LayerAction::kForward), 0);
+  timer.record(1, LayerAction::kForward, 10.0);
+  EXPECT_DOUBLE_EQ(*timer.estimate(1, LayerAction::kForward), 10.0);  // the first kept record
+  timer.record(1, LayerAction::kForward, 20.0);
+  // m = 0.9 * (0.1 * 10) + 0.1 * 20 = 2.9; estimate = m / (1 - 0.9^2) = 2.9 / 0.19.
+  EXPECT_NEAR(*timer.estimate(1, LayerAction::kForward), 2.9 / 0.19, 1e-12);
+  EXPECT_EQ(timer.num_records(1, LayerAction::kForward), 2);
+  // Other layers and actions are separate.
+  EXPECT_FALSE(timer.estimate(0, LayerAction::kForward).has_value());
+  EXPECT_FALSE(timer.estimate(1, LayerAction::kBackward).has_value());
+}
+
+TEST(ModelTimer, VerboseLineFormat) {
+  ModelTimer timer(1);
+  ModelTimer::set_verbose(true);
+  ::testing::internal::CaptureStderr();
+  timer.record(0, LayerAction::kBackward, 5.0);  // discarded: no line
+  timer.record(0, LayerAction::kBackward, 2.5);
+  timer.record(0, LayerAction::kBackward, 3.5);
+  const std::string out = ::testing::internal::GetCapturedStderr();
+  ModelTimer::set_verbose(false);
+  std::ostringstream want;
+  char line[160];
+  std::snprintf(line, sizeof(line), "Layer 0 bwd  new record: 2.500 ms  new estimate: 2.500 ms\n"
+                                    "Layer 0 bwd  new record: 3.500 ms  new estimate: %.3f ms\n",
+                (0.9 * 0.25 + 0.35) / 0.19);
+  EXPECT_EQ(out, line);
+}
+
+TEST(ModelTimer, StateRoundTripAndErrors) {
+  ModelTimer a(3);
+  for (double ms : {1.0, 2.0, 3.0}) a.record(2, LayerAction::kRecompute, ms);
+  ModelTimer b(3);
+  b.load_state(a.state());
+  EXPECT_DOUBLE_EQ(*b.estimate(2, LayerAction::kRecompute), *a.estimate(2, LayerAction::kRecompute));
+  EXPECT_THROW(ModelTimer(2).load_state(a.state()), c10::ValueError);
+  EXPECT_THROW(a.record(3, LayerAction::kForward, 1.0), c10::ValueError);
+  EXPECT_THROW(a.record(0, LayerAction::kForward, -1.0), c10::ValueError);
+  EXPECT_THROW(a.record(0, LayerAction::kForward, std::nan("")), c10::ValueError);
+  a.reset();
+  EXPECT_FALSE(a.estimate(2, LayerAction::kRecompute).has_value());
+}
+
+// ---- Timing in real runs ----
+
+LossFn mse() {
+  return [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
+    return torch::mse_loss(out.toTensor(), y.toTensor());
+  };
+}
+
+// Layers 0..8 of make_mlp(16, 4): fused stage [6, 9), forward [0, 3), [3, 6),
+// backward [3, 6), [0, 3).
+ModelExecutePlan fused_plan() {
+  ModelExecutePlan plan;
+  plan.fwd_plan = {{0, 3}, {3, 6}};
+  plan.bwd_plan = {{6, 9}, {3, 6}, {0, 3}};
+  return plan;
+}
+
+void expect_timed(const RoundPipe& model, int64_t layer, LayerAction action) {
+  c10::optional<double> ms = model.timer().estimate(layer, action);
+  ASSERT_TRUE(ms.has_value()) << "layer " << layer << " " << layer_action_name(action);
+  EXPECT_TRUE(std::isfinite(*ms) && *ms >= 0) << *ms;
+}
+
+class RealRunTiming : public ::testing::TestWithParam<RecomputeGrain> {};
+
+TEST_P(RealRunTiming, EveryLayerGetsItsActionsTimedAfterTheFirstCall) {
+  torch::manual_seed(0);
+  RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2));
+  const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(fused_plan()).recompute_grain(GetParam());
+  at::Tensor x = torch::randn({6, 16}), y = torch::randn({6, 4});
+  model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
+  for (int64_t l = 0; l < 9; ++l) EXPECT_FALSE(model.timer().estimate(l, LayerAction::kForward).has_value());
+  model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
+  for (int64_t l = 0; l < 9; ++l) {
+    expect_timed(model, l, LayerAction::kForward);
+    expect_timed(model, l, LayerAction::kBackward);
+    // Layers outside the fused stage are recomputed by their backward stage.
+    if (l < 6) expect_timed(model, l, LayerAction::kRecompute);
+    if (l >= 6) {
+      EXPECT_FALSE(model.timer().estimate(l, LayerAction::kRecompute).has_value());
+    }
+  }
+  // The planner now sees these times.
+  const LayerCosts costs = model.layer_costs();
+  for (int64_t l = 0; l < 9; ++l) {
+    EXPECT_EQ(costs.fwd_ms[l], *model.timer().estimate(l, LayerAction::kForward));
+    EXPECT_EQ(costs.bwd_ms[l], *model.timer().estimate(l, LayerAction::kBackward));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Grain, RealRunTiming, ::testing::Values(RecomputeGrain::kStage, RecomputeGrain::kLayer));
+
+TEST(Timing, CostsAreParameterSizesUntilTimed) {
+  RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2));
+  const LayerCosts costs = model.layer_costs();
+  EXPECT_EQ(costs.fwd_ms[0], 16.0 * 16 * 4 + 16 * 4);  // Linear(16, 16): bytes of weight and bias
+  EXPECT_EQ(costs.fwd_ms[1], 0.0);                     // Tanh
+  EXPECT_EQ(costs.bwd_ms[0], 2 * costs.fwd_ms[0]);
+  // The default plan is valid for every kind and spans every device.
+  for (RunKind kind : {RunKind::kInfer, RunKind::kTrain, RunKind::kFused}) {
+    const ModelExecutePlan plan = model.default_execute_plan(kind);
+    EXPECT_NO_THROW(plan.validate(9, kind));
+    EXPECT_EQ(model.default_execute_plan(kind), plan);  // asked again: unchanged
+  }
+}
+
+TEST(Timing, ModelPlanForForwardBackwardIsAccepted) {
+  // A model-wide plan may be a forward_backward plan.
+  RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2).set_run_config(
+                                  RunConfig().num_microbatch(2).execute_plan(fused_plan())));
+  at::Tensor x = torch::randn({4, 16}), y = torch::randn({4, 4});
+  EXPECT_NO_THROW(model.forward_backward({x}, make_kwargs(), y, mse()));
+  ModelExecutePlan broken;
+  broken.fwd_plan = {{0, 3}};
+  broken.bwd_plan = {{5, 9}, {0, 5}};
+  EXPECT_THROW(RoundPipe(make_mlp(), RoundPipeOptions().set_run_config(RunConfig().execute_plan(broken))),
+               c10::ValueError);
+}
+
+// ---- Traces ----
+
+struct TracedRun {
+  nlohmann::json events;  // the "X" events
+  std::map<int64_t, std::string> process_names;
+};
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "/" + name + "." + std::to_string(::getpid()) + ".json";
+}
+
+// Three async iterations of the MLP on two devices, traced.
+TracedRun traced_run(const std::string& path, int64_t iterations = 3) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net = make_mlp();
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(2).set_name("traced"));
+  torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.01));
+  const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(fused_plan());
+  start_trace(path);
+  for (int64_t i = 0; i < iterations; ++i) {
+    at::Tensor x = torch::randn({6, 16}), y = torch::randn({6, 4});
+    model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
+    model.step([&] {
+      opt.step();
+      opt.zero_grad();
+    });
+  }
+  model.synchronize();
+  stop_trace();
+  std::ifstream in(path);
+  nlohmann::json trace = nlohmann::json::parse(in);  // throws if not JSON
+  TracedRun run;
+  run.events = nlohmann::json::array();
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.at("ph") == "X") run.events.push_back(e);
+    if (e.at("ph") == "M" && e.at("name") == "process_name") {
+      run.process_names[e.at("pid").get<int64_t>()] = e.at("args").at("name").get<std::string>();
+    }
+  }
+  return run;
+}
+
+TEST(Trace, RealRunWritesChromeTraceWithJobsInOrderOnTheirDevice) {
+  const std::string path = temp_path("trace");
+  TracedRun run = traced_run(path);
+  EXPECT_FALSE(tracing());
+  EXPECT_EQ(run.process_names[0], "host");
+  EXPECT_EQ(run.process_names[1], "cpu:0");
+
+  // Per job (call, stage, job kind): its device and the times of its events.
+  struct Job {
+    std::set<int64_t> pids;
+    double upload_end = -1, first_compute = 1e300, last_compute_end = -1, first_download = 1e300;
+    int64_t computes = 0;
+  };
+  std::map<std::tuple<int64_t, std::string, int64_t>, Job> jobs;
+  int64_t steps = 0;
+  for (const auto& e : run.events) {
+    const double ts = e.at("ts").get<double>(), dur = e.at("dur").get<double>();
+    EXPECT_GE(ts, 0.0);
+    EXPECT_GE(dur, 0.0);
+    const std::string cat = e.at("cat");
+    if (cat == "optimizer") {
+      EXPECT_EQ(e.at("pid"), 0);
+      if (e.at("name").get<std::string>().rfind("step ", 0) == 0) ++steps;
+      continue;
+    }
+    const auto& a = e.at("args");
+    EXPECT_EQ(a.at("model"), "traced");
+    Job& job = jobs[{a.at("call").get<int64_t>(), a.at("job").get<std::string>(), a.at("stage").get<int64_t>()}];
+    if (cat == "handoff") continue;  // activations may travel before or after their compute
+    job.pids.insert(e.at("pid").get<int64_t>());
+    if (cat == "upload") job.upload_end = std::max(job.upload_end, ts + dur);
+    if (cat == "compute") {
+      ++job.computes;
+      job.first_compute = std::min(job.first_compute, ts);
+      job.last_compute_end = std::max(job.last_compute_end, ts + dur);
+      EXPECT_GE(a.at("microbatch").get<int64_t>(), 0);
+    }
+    if (cat == "download") job.first_download = std::min(job.first_download, ts);
+  }
+  EXPECT_EQ(steps, 3);
+  EXPECT_EQ(jobs.size(), 3u * 5u);  // 3 calls x (2 forward + fused + 2 backward)
+  for (const auto& [key, job] : jobs) {
+    SCOPED_TRACE("call " + std::to_string(std::get<0>(key)) + " " + std::get<1>(key) + " stage " +
+                 std::to_string(std::get<2>(key)));
+    EXPECT_EQ(job.pids.size(), 1u);  // one device
+    EXPECT_EQ(job.computes, 3);      // one per microbatch
+    EXPECT_GE(job.upload_end, 0.0);
+    EXPECT_LE(job.upload_end, job.first_compute);
+    if (std::get<1>(key) != "forward") {
+      EXPECT_LE(job.last_compute_end, job.first_download);
+    }
+  }
+  std::remove(path.c_str());
+}
+
+TEST(Trace, EnvironmentVariableTracesAndErrorsAreClear) {
+  EXPECT_THROW(start_trace(""), c10::ValueError);
+  EXPECT_NO_THROW(stop_trace());  // not tracing: no-op
+  start_trace("/nonexistent-dir/trace.json");
+  EXPECT_THROW(stop_trace(), c10::Error);
+  EXPECT_FALSE(tracing());
+}
+
+// ---- The simulator against a real run ----
+
+// Per device, the order of (call, job kind, stage, microbatch) of its compute.
+std::map<int64_t, std::vector<std::tuple<int64_t, std::string, int64_t, int64_t>>> compute_order(
+    const std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>>& events) {
+  auto sorted = events;
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const auto& a, const auto& b) { return std::get<5>(a) < std::get<5>(b); });
+  std::map<int64_t, std::vector<std::tuple<int64_t, std::string, int64_t, int64_t>>> out;
+  for (const auto& [device, call, job, stage, mb, ts] : sorted) {
+    auto& seq = out[device];
+    auto item = std::make_tuple(call, job, stage, mb);
+    if (seq.empty() || seq.back() != item) seq.push_back(item);  // segments of one microbatch
+  }
+  return out;
+}
+
+TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsPerDevice) {
+  const std::string path = temp_path("order");
+  const int64_t iterations = 3;
+  TracedRun run = traced_run(path, iterations);
+  std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> real;
+  int64_t first_device = -1;
+  double first_ts = 1e300;
+  for (const auto& e : run.events) {
+    if (e.at("cat") != "compute") continue;
+    const auto& a = e.at("args");
+    const int64_t device = e.at("pid").get<int64_t>() - 1;
+    real.emplace_back(device, a.at("call").get<int64_t>(), a.at("job").get<std::string>(),
+                      a.at("stage").get<int64_t>(), a.at("microbatch").get<int64_t>(), e.at("ts").get<double>());
+    if (e.at("ts").get<double>() < first_ts) {
+      first_ts = e.at("ts").get<double>();
+      first_device = device;
+    }
+  }
+  // The simulator, fed with this run's measured costs (a model with the same
+  // layers, timed by the same kind of run).
+  torch::manual_seed(1);
+  RoundPipe timed(make_mlp(), RoundPipeOptions().set_max_devices(2));
+  const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(fused_plan());
+  for (int i = 0; i < 3; ++i) {
+    timed.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(), false, cfg);
+  }
+  SimOptions options;
+  options.set_num_devices(2).set_num_microbatch(3).set_run_kind(RunKind::kFused);
+  SimResult sim = simulate_roundpipe(timed.layer_costs(), fused_plan(), options);
+  std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> predicted;
+  for (const TraceEvent& e : sim.events) {
+    if (e.kind != "compute" || e.call >= iterations) continue;
+    // The engine's round-robin continues from earlier calls of the process:
+    // align the simulator's first device with the run's.
+    const int64_t device = (e.device + first_device) % 2;
+    predicted.emplace_back(device, e.call, e.job, e.stage, e.microbatch, e.start_us);
+  }
+  const auto want = compute_order(real), got = compute_order(predicted);
+  ASSERT_EQ(want.size(), 2u);
+  size_t total = 0;
+  for (const auto& [device, seq] : want) total += seq.size();
+  EXPECT_EQ(total, static_cast<size_t>(iterations * 5 * 3));  // calls x jobs x microbatches
+  EXPECT_EQ(got, want);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace roundpipe
