@@ -133,3 +133,20 @@ def test_trace_of_a_real_run(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert svg.read_text().startswith("<?xml") or "<svg" in svg.read_text()[:200]
+
+
+def test_trace_environment_variable_writes_at_exit(tmp_path):
+    path = tmp_path / "env.json"
+    script = (
+        "import torch, roundpipe\n"
+        "m = roundpipe.RoundPipe(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))\n"
+        "m.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 1),\n"
+        "                   loss_fn=torch.nn.functional.mse_loss)\n"
+    )
+    env = dict(os.environ, ROUNDPIPE_TRACE=str(path), ROUNDPIPE_DEVICES="cpu:2")
+    out = subprocess.run([os.sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    devices = {e["pid"] for e in events if e["ph"] == "X" and e["cat"] == "compute"}
+    assert devices == {1, 2}
