@@ -11,8 +11,10 @@
 #include <roundpipe/model.h>
 #include <roundpipe/optimizer.h>
 #include <roundpipe/plan.h>
+#include <roundpipe/presets.h>
 #include <roundpipe/recompute.h>
 #include <roundpipe/run_config.h>
 #include <roundpipe/safetensors.h>
 #include <roundpipe/timer.h>
+#include <roundpipe/token_data.h>
 #include <roundpipe/trace.h>

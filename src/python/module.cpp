@@ -24,6 +24,7 @@ namespace python {
 void bind_optim(py::module_& m);
 void bind_grad_scaler(py::module_& m);
 void bind_safetensors(py::module_& m);
+void bind_token_data(py::module_& m);
 
 namespace {
 
@@ -232,6 +233,7 @@ PYBIND11_MODULE(_C, m) {
   bind_optim(m);
   bind_grad_scaler(m);
   bind_safetensors(m);
+  bind_token_data(m);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&>())

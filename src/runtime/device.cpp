@@ -27,6 +27,7 @@ void Device::submit(std::function<void()> task) {
 }
 
 CpuDevice::CpuDevice(int index) : Device(index, "cpu:" + std::to_string(index)) {
+  counter_.name = name();
   install_tracking_cpu_allocator();
   start_worker();
 }
@@ -40,13 +41,33 @@ void CpuDevice::run_task(const std::function<void()>& task) {
   task();
 }
 
+void CpuDevice::inject_fault(Fault fault, int64_t nth) {
+  TORCH_CHECK_VALUE(nth >= 0, "inject_fault: nth must be >= 1 (0 disarms), got ", nth);
+  switch (fault) {
+    case Fault::kUpload: fail_upload_in_.store(nth); break;
+    case Fault::kDownload: fail_download_in_.store(nth); break;
+    case Fault::kAllocation: counter_.fail_allocation(nth); break;
+  }
+}
+
+void CpuDevice::check_fault(Fault fault) {
+  std::atomic<int64_t>& in = fault == Fault::kUpload ? fail_upload_in_ : fail_download_in_;
+  int64_t due = in.load();
+  while (due > 0 && !in.compare_exchange_weak(due, due - 1)) {
+  }
+  TORCH_CHECK(due != 1, "injected fault: ", fault == Fault::kUpload ? "upload" : "download", " failed on ",
+              name());
+}
+
 at::Tensor CpuDevice::upload(const at::Tensor& host, Lane lane, const FencePtr& after) {
+  check_fault(Fault::kUpload);
   if (after) after->synchronize();
   MemoryCounterScope scope(&counter_);
   return host.clone(at::MemoryFormat::Contiguous);
 }
 
 at::Tensor CpuDevice::download(const at::Tensor& device_tensor, FencePtr* fence_out) {
+  check_fault(Fault::kDownload);
   MemoryCounterScope host_memory(nullptr);
   if (fence_out) *fence_out = nullptr;
   return device_tensor.clone(at::MemoryFormat::Contiguous);

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -112,11 +113,22 @@ class Device {
   std::unique_ptr<WorkerThread> worker_;
 };
 
+// Deliberate failures of a CPU virtual device, for tests of error handling.
+enum class Fault { kUpload, kDownload, kAllocation };
+
 // The CPU virtual device.
 class CpuDevice final : public Device {
  public:
   explicit CpuDevice(int index);
   ~CpuDevice() override;
+
+  // Makes the nth (>= 1) operation of kind `fault` on this device from now
+  // fail once with a c10::Error saying "injected fault"; nth 0 disarms.
+  // Allocations count every tensor the device's work allocates.
+  void inject_fault(Fault fault, int64_t nth);
+  // Memory the device may use, like an accelerator's (0: unlimited).
+  // Allocations beyond it fail with "out of memory".
+  void set_memory_capacity(int64_t bytes) { counter_.set_capacity(bytes); }
 
   c10::Device torch_device() const override { return c10::Device(c10::DeviceType::CPU); }
   int64_t memory_allocated() const override { return counter_.current(); }
@@ -135,7 +147,11 @@ class CpuDevice final : public Device {
   void run_task(const std::function<void()>& task) override;
 
  private:
+  void check_fault(Fault fault);
+
   MemoryCounter counter_;
+  std::atomic<int64_t> fail_upload_in_{0};
+  std::atomic<int64_t> fail_download_in_{0};
 };
 
 // Creates the accelerator device `index` of type `type` (e.g. CUDA), pool

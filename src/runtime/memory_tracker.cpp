@@ -4,6 +4,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <c10/util/Exception.h>
+
 #include <mutex>
 
 namespace roundpipe {
@@ -32,11 +34,11 @@ void free_block(void* data) {
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) const override {
+    if (tls_counter != nullptr) tls_counter->add(static_cast<int64_t>(nbytes));  // may throw: nothing held yet
     auto* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeaderBytes));
     auto* header = reinterpret_cast<BlockHeader*>(base);
     header->counter = tls_counter;
     header->bytes = static_cast<int64_t>(nbytes);
-    if (tls_counter != nullptr) tls_counter->add(header->bytes);
     void* data = base + kHeaderBytes;
     return {data, data, &free_block, c10::Device(c10::DeviceType::CPU)};
   }
@@ -46,7 +48,17 @@ class TrackingCpuAllocator final : public c10::Allocator {
 }  // namespace
 
 void MemoryCounter::add(int64_t bytes) {
+  int64_t due = fail_in_.load(std::memory_order_relaxed);
+  while (due > 0 && !fail_in_.compare_exchange_weak(due, due - 1, std::memory_order_relaxed)) {
+  }
+  TORCH_CHECK(due != 1, "injected fault: allocation of ", bytes, " bytes failed on ", name);
   int64_t now = current_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  const int64_t capacity = capacity_.load(std::memory_order_relaxed);
+  if (capacity > 0 && now > capacity) {
+    current_.fetch_sub(bytes, std::memory_order_relaxed);
+    TORCH_CHECK(false, name, " is out of memory: tried to allocate ", bytes, " bytes with ", now - bytes,
+                " of its ", capacity, " bytes in use");
+  }
   int64_t peak = peak_.load(std::memory_order_relaxed);
   while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }

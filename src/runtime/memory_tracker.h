@@ -11,20 +11,34 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 namespace roundpipe {
 
 class MemoryCounter {
  public:
+  // Charges `bytes` about to be allocated. Throws c10::Error ("out of
+  // memory", charging nothing) when they would exceed the capacity, or when
+  // an injected allocation failure is due.
   void add(int64_t bytes);
   void sub(int64_t bytes) { current_.fetch_sub(bytes, std::memory_order_relaxed); }
   int64_t current() const { return current_.load(std::memory_order_relaxed); }
   int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
   void reset_peak() { peak_.store(current(), std::memory_order_relaxed); }
 
+  // Bytes the counter may hold at most (0: unlimited).
+  void set_capacity(int64_t bytes) { capacity_.store(bytes, std::memory_order_relaxed); }
+  int64_t capacity() const { return capacity_.load(std::memory_order_relaxed); }
+  // Makes the nth allocation from now fail (once); 0 disarms.
+  void fail_allocation(int64_t nth) { fail_in_.store(nth, std::memory_order_relaxed); }
+
+  std::string name;  // shown in out-of-memory errors
+
  private:
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
+  std::atomic<int64_t> capacity_{0};
+  std::atomic<int64_t> fail_in_{0};
 };
 
 // Installs the accounting CPU allocator (idempotent).

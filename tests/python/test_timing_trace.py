@@ -79,9 +79,9 @@ def test_timer_estimates_and_planning_from_timings(tmp_path):
         ModelExecutePlan.auto("both", model)
     with pytest.raises(ValueError, match="model_memory_limit"):
         ModelExecutePlan.auto("train", model, model_memory_limit=0)
-    # The default plan stays put from call to call (hysteresis).
+    # Asking again without new timings gives the same plan (the hysteresis
+    # rule itself is tested in C++: AutoPlan.*).
     first = model.default_execute_plan("fused")
-    train(model, 2)
     assert model.default_execute_plan("fused") == first
     timer.reset()
     assert timer.estimate(0, "fwd") is None

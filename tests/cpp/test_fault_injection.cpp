@@ -1,0 +1,153 @@
+// Failures injected into CPU virtual devices (uploads, downloads, allocations,
+// out of memory) at many points of a call: the error reaches the caller with
+// its context, nothing is half-applied, and the model stays usable.
+#include <gtest/gtest.h>
+#include <roundpipe/roundpipe.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "models.h"
+#include "runtime/device.h"
+#include "runtime/device_pool.h"
+
+namespace roundpipe {
+namespace {
+
+using testing::copy_of;
+using testing::make_mlp;
+
+CpuDevice& cpu_device(int64_t i) {
+  auto* dev = dynamic_cast<CpuDevice*>(&DevicePool::instance().device(i));
+  TORCH_CHECK(dev != nullptr, "these tests need CPU virtual devices");
+  return *dev;
+}
+
+LossFn mse() {
+  return [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
+    return torch::mse_loss(out.toTensor(), y.toTensor());
+  };
+}
+
+RunConfig config() {
+  ModelExecutePlan plan;
+  plan.fwd_plan = {{0, 3}, {3, 6}};
+  plan.bwd_plan = {{6, 9}, {3, 6}, {0, 3}};
+  return RunConfig().num_microbatch(3).execute_plan(plan);
+}
+
+std::vector<at::Tensor> grads(const torch::nn::Sequential& net) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return out;
+}
+
+void expect_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].defined(), b[i].defined()) << what << " " << i;
+    if (a[i].defined()) {
+      EXPECT_TRUE(a[i].equal(b[i])) << what << " " << i;
+    }
+  }
+}
+
+struct FaultCase {
+  Fault fault;
+  int64_t device;
+  int64_t nth;
+};
+
+std::string name_of(const FaultCase& c) {
+  const char* kind = c.fault == Fault::kUpload ? "upload" : c.fault == Fault::kDownload ? "download" : "allocation";
+  return std::string(kind) + "_dev" + std::to_string(c.device) + "_n" + std::to_string(c.nth);
+}
+
+std::vector<FaultCase> all_cases() {
+  std::vector<FaultCase> out;
+  for (Fault f : {Fault::kUpload, Fault::kDownload, Fault::kAllocation}) {
+    for (int64_t d : {0, 1}) {
+      for (int64_t n : {1, 2, 3, 5, 8, 13, 21}) out.push_back({f, d, n});
+    }
+  }
+  return out;
+}
+
+class InjectedFault : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(InjectedFault, ReachesTheCallerAndLeavesTheModelAsBefore) {
+  const FaultCase c = GetParam();
+  torch::manual_seed(5);
+  torch::nn::Sequential net = make_mlp();
+  torch::nn::Sequential twin_net = copy_of(net);
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(2).set_name("faulty"));
+  RoundPipe twin(twin_net, RoundPipeOptions().set_max_devices(2));
+  at::Tensor x0 = torch::randn({6, 16}), y0 = torch::randn({6, 4});
+  at::Tensor x1 = torch::randn({6, 16}), y1 = torch::randn({6, 4});
+  // Both models accumulate one call's gradients first.
+  model.forward_backward({x0}, make_kwargs(), y0, mse(), false, config());
+  twin.forward_backward({x0}, make_kwargs(), y0, mse(), false, config());
+  model.synchronize();
+  const std::vector<at::Tensor> before = grads(net);
+
+  // Device indices of the pool: the model uses the first two.
+  cpu_device(c.device).inject_fault(c.fault, c.nth);
+  bool failed = false;
+  try {
+    model.forward_backward({x1}, make_kwargs(), y1, mse(), false, config());
+  } catch (const c10::Error& e) {
+    failed = true;
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("injected fault"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("RoundPipe model 'faulty'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cpu:" + std::to_string(c.device)), std::string::npos) << msg;
+  }
+  cpu_device(c.device).inject_fault(c.fault, 0);
+  if (!failed) GTEST_SKIP() << "the call made fewer than " << c.nth << " such operations on that device";
+  model.synchronize();
+  expect_same(grads(net), before, "gradients after the failed call");
+
+  // Usable again: the same call now gives what a model that never failed gives.
+  model.forward_backward({x1}, make_kwargs(), y1, mse(), false, config());
+  twin.forward_backward({x1}, make_kwargs(), y1, mse(), false, config());
+  model.synchronize();
+  twin.synchronize();
+  expect_same(grads(net), grads(twin_net), "gradients after the retry");
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, InjectedFault, ::testing::ValuesIn(all_cases()),
+                         [](const auto& info) { return name_of(info.param); });
+
+TEST(InjectedFault, EveryKindFailsSomewhereInACall) {
+  // Guards the sweep above against skipping everything.
+  for (Fault f : {Fault::kUpload, Fault::kDownload, Fault::kAllocation}) {
+    RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2));
+    cpu_device(0).inject_fault(f, 1);
+    EXPECT_THROW(model.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(),
+                                        false, config()),
+                 c10::Error);
+    cpu_device(0).inject_fault(f, 0);
+  }
+}
+
+TEST(OutOfMemory, ADeviceOverItsCapacityFailsClearlyAndRecovers) {
+  torch::manual_seed(2);
+  RoundPipe model(make_mlp(64, 2), RoundPipeOptions().set_max_devices(2).set_name("big"));
+  cpu_device(0).set_memory_capacity(4096);  // smaller than one stage's parameters
+  cpu_device(1).set_memory_capacity(4096);
+  try {
+    model.forward(torch::randn({8, 64}));
+    ADD_FAILURE() << "expected an out-of-memory error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("out of memory"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("RoundPipe model 'big'"), std::string::npos) << msg;
+  }
+  cpu_device(0).set_memory_capacity(0);
+  cpu_device(1).set_memory_capacity(0);
+  EXPECT_NO_THROW(model.forward(torch::randn({8, 64})));
+}
+
+}  // namespace
+}  // namespace roundpipe
