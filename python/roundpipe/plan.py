@@ -31,14 +31,8 @@ class ModelExecutePlan:
         "fused". Returns one plan for one model, else a list. The exact rules:
         include/roundpipe/auto_plan.h."""
         from . import _C
-        if not models:
-            raise ValueError("ModelExecutePlan.auto: give at least one model")
-        engines = []
-        for model in models:
-            engine = getattr(model, "_engine", None)
-            if engine is None:
-                raise TypeError(f"ModelExecutePlan.auto: expected RoundPipe models, got {type(model).__name__}")
-            engines.append(engine)
+        from ._model import _engines_of
+        engines = _engines_of(models, "ModelExecutePlan.auto")
         if min_stages is None:
             min_stages = engines[0].num_devices()
         if model_memory_limit is None:

@@ -57,12 +57,5 @@ class ModelTimer(metaclass=_VerboseFlag):
 def save_timings(path, *models):
     """Writes the models' per-layer costs as a timings file for roundpipe-sim
     (``roundpipe-sim --timings PATH``), atomically."""
-    engines = []
-    for model in models:
-        engine = getattr(model, "_engine", None)
-        if engine is None:
-            raise TypeError(f"save_timings: expected RoundPipe models, got {type(model).__name__}")
-        engines.append(engine)
-    if not engines:
-        raise ValueError("save_timings: give at least one model")
-    _C.save_timings(str(path), engines)
+    from ._model import _engines_of
+    _C.save_timings(str(path), _engines_of(models, "save_timings"))

@@ -180,30 +180,31 @@ class Engine {
 
 // ModelExecutePlan.auto over the engines' timings (parameter sizes until
 // timings exist), planned jointly.
-py::list auto_execute_plans_py(const std::string& kind, const std::vector<Engine*>& engines, int64_t min_stages,
-                               double upper_threshold, int64_t memory_limit_bytes) {
+std::vector<const RoundPipe*> models_of(const std::vector<Engine*>& engines, const char* who) {
   std::vector<const RoundPipe*> models;
   for (Engine* e : engines) {
-    TORCH_CHECK_VALUE(e != nullptr, "ModelExecutePlan.auto: a model is None");
+    TORCH_CHECK_VALUE(e != nullptr, who, ": a model is None");
     models.push_back(&e->model());
   }
+  return models;
+}
+
+py::list auto_execute_plans_py(const std::string& kind, const std::vector<Engine*>& engines, int64_t min_stages,
+                               double upper_threshold, int64_t memory_limit_bytes) {
   AutoPlanOptions options;
   options.run_kind = run_kind(kind);
   options.min_stages = min_stages;
   options.upper_threshold = upper_threshold;
   options.model_memory_limit_bytes = memory_limit_bytes;
   py::list out;
-  for (const auto& plan : auto_execute_plans(models, options)) out.append(plan_to_python(plan));
+  for (const auto& plan : auto_execute_plans(models_of(engines, "ModelExecutePlan.auto"), options)) {
+    out.append(plan_to_python(plan));
+  }
   return out;
 }
 
 void save_timings_py(const std::string& path, const std::vector<Engine*>& engines) {
-  std::vector<const RoundPipe*> models;
-  for (Engine* e : engines) {
-    TORCH_CHECK_VALUE(e != nullptr, "save_timings: a model is None");
-    models.push_back(&e->model());
-  }
-  save_timings(path, models);
+  save_timings(path, models_of(engines, "save_timings"));
 }
 
 void translate_errors(std::exception_ptr error) {

@@ -4,11 +4,30 @@
 #include <roundpipe/roundpipe.h>
 #include <torch/torch.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace roundpipe {
 namespace testing {
+
+// Mean squared error between a tensor output and a tensor label.
+inline LossFn mse_loss_fn() {
+  return [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
+    return torch::mse_loss(out.toTensor(), y.toTensor());
+  };
+}
+
+// The ValueError message of `f`, or "" when it does not throw.
+template <typename F>
+std::string value_error_of(F f) {
+  try {
+    f();
+  } catch (const c10::ValueError& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
 
 inline torch::nn::Sequential make_mlp(int64_t width = 16, int64_t depth = 4, int64_t out = 4) {
   torch::nn::Sequential seq;

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "models.h"
+
 namespace roundpipe {
 namespace {
 
@@ -47,15 +49,9 @@ ModelExecutePlan AutoOne(const LayerCosts& c, const AutoPlanOptions& o) {
   return auto_plan({c}, o).at(0);
 }
 
-// The ValueError message of `f`, or "" when it does not throw.
 template <typename F>
 std::string ErrorOf(F f) {
-  try {
-    f();
-  } catch (const c10::ValueError& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
+  return roundpipe::testing::value_error_of(f);
 }
 
 template <typename F>

@@ -24,11 +24,7 @@ CpuDevice& cpu_device(int64_t i) {
   return *dev;
 }
 
-LossFn mse() {
-  return [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
-    return torch::mse_loss(out.toTensor(), y.toTensor());
-  };
-}
+LossFn mse() { return testing::mse_loss_fn(); }
 
 RunConfig config() {
   ModelExecutePlan plan;

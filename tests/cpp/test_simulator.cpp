@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "models.h"
 #include "schedule/scheduler.h"
 
 namespace roundpipe {
@@ -59,12 +60,7 @@ StageCosts EqualStages(int64_t p, double f, double b) {
 
 template <typename F>
 std::string ErrorOf(F f) {
-  try {
-    f();
-  } catch (const c10::ValueError& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
+  return roundpipe::testing::value_error_of(f);
 }
 
 double End(const TraceEvent& e) { return e.start_us + e.dur_us; }

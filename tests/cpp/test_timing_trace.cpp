@@ -74,11 +74,7 @@ TEST(ModelTimer, StateRoundTripAndErrors) {
 
 // ---- Timing in real runs ----
 
-LossFn mse() {
-  return [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
-    return torch::mse_loss(out.toTensor(), y.toTensor());
-  };
-}
+LossFn mse() { return testing::mse_loss_fn(); }
 
 // Layers 0..8 of make_mlp(16, 4): fused stage [6, 9), forward [0, 3), [3, 6),
 // backward [3, 6), [0, 3).
