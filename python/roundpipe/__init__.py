@@ -17,7 +17,7 @@ if _os.environ.get("ROUNDPIPE_EXTENSION_DIR"):
 import torch as _torch  # loads libtorch and its Python bindings before the engine
 
 from . import _C
-from . import data, microbatch, optim, safetensors, timer, trace
+from . import data, microbatch, optim, presets, safetensors, timer, trace
 from ._model import RoundPipe
 from .grad_scaler import GradScaler  # noqa: F401
 from .optimizer_ctx import OptimizerCtx
@@ -44,5 +44,5 @@ def set_sync_warmup_steps(n: int) -> None:
 __all__ = [
     "RoundPipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
     "save_for_recompute", "doing_recompute", "get_recompute_data", "get_num_devices",
-    "set_sync_warmup_steps", "data", "microbatch", "optim", "safetensors", "timer", "trace",
+    "set_sync_warmup_steps", "data", "microbatch", "optim", "presets", "safetensors", "timer", "trace",
 ]

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "engine/layer.h"
+#include "python/native_module.h"
 #include "python/py_layer.h"
 #include "python/python_common.h"
 #include "python/run_config.h"
@@ -48,6 +49,10 @@ class Engine {
     }
     std::vector<std::shared_ptr<Layer>> layers;
     for (size_t i = 0; i < modules.size(); ++i) {
+      if (auto native = native_layer(modules[i], static_cast<int64_t>(i))) {
+        layers.push_back(std::move(native));
+        continue;
+      }
       auto layer = make_py_layer(modules[i], static_cast<int64_t>(i));
       py_layers_.push_back(layer);
       layers.push_back(std::move(layer));
@@ -235,6 +240,7 @@ PYBIND11_MODULE(_C, m) {
   bind_grad_scaler(m);
   bind_safetensors(m);
   bind_token_data(m);
+  bind_presets(m);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&>())
