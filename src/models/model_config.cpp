@@ -62,20 +62,28 @@ c10::optional<at::ScalarType> parse_dtype(const std::string& name) {
   TORCH_CHECK_VALUE(false, "config.json: unknown torch_dtype '", name, "'");
 }
 
-RopeScaling parse_rope_scaling(const json& j) {
+RopeScaling parse_rope_fields(const json& v, const char* key) {
+  TORCH_CHECK_VALUE(v.is_object(), "config.json: '", key, "' must be an object or null, got ", v.dump());
   RopeScaling out;
-  const json* v = find(j, "rope_scaling");
-  if (v == nullptr) return out;
-  TORCH_CHECK_VALUE(v->is_object(), "config.json: 'rope_scaling' must be an object or null, got ",
-                    v->dump());
   // Older files name the type "type", newer ones "rope_type".
-  out.rope_type = get_string(*v, "rope_type", get_string(*v, "type", std::string("default")));
-  out.factor = get_double(*v, "factor", 1.0);
-  out.low_freq_factor = get_double(*v, "low_freq_factor", out.low_freq_factor);
-  out.high_freq_factor = get_double(*v, "high_freq_factor", out.high_freq_factor);
+  out.rope_type = get_string(v, "rope_type", get_string(v, "type", std::string("default")));
+  out.factor = get_double(v, "factor", 1.0);
+  out.low_freq_factor = get_double(v, "low_freq_factor", out.low_freq_factor);
+  out.high_freq_factor = get_double(v, "high_freq_factor", out.high_freq_factor);
   out.original_max_position_embeddings =
-      get_int(*v, "original_max_position_embeddings", out.original_max_position_embeddings);
+      get_int(v, "original_max_position_embeddings", out.original_max_position_embeddings);
   return out;
+}
+
+// Rotary settings: "rope_theta" + "rope_scaling", or (transformers >= 5)
+// one "rope_parameters" object holding both.
+void parse_rope(const json& j, DecoderConfig& c) {
+  c.rope_theta = get_double(j, "rope_theta", 10000.0);
+  if (const json* v = find(j, "rope_scaling")) c.rope_scaling = parse_rope_fields(*v, "rope_scaling");
+  if (const json* v = find(j, "rope_parameters")) {
+    c.rope_scaling = parse_rope_fields(*v, "rope_parameters");
+    c.rope_theta = get_double(*v, "rope_theta", c.rope_theta);
+  }
 }
 
 }  // namespace
@@ -148,8 +156,7 @@ DecoderConfig from_hf_config_json(const std::string& json_text) {
   c.num_key_value_heads = get_int(j, "num_key_value_heads", c.num_attention_heads);
   c.head_dim = get_int(j, "head_dim", 0);
   c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
-  c.rope_theta = get_double(j, "rope_theta", 10000.0);
-  c.rope_scaling = parse_rope_scaling(j);
+  parse_rope(j, c);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", qwen3 ? 32768 : 2048);
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", false);
   c.attention_bias = get_bool(j, "attention_bias", false);
@@ -160,7 +167,10 @@ DecoderConfig from_hf_config_json(const std::string& json_text) {
                     "' is not supported (only \"silu\")");
   TORCH_CHECK_VALUE(!get_bool(j, "use_sliding_window", false),
                     "config.json: use_sliding_window is not supported");
-  if (const json* d = find(j, "torch_dtype")) {
+  // transformers >= 5 writes "dtype".
+  const json* d = find(j, "torch_dtype");
+  if (d == nullptr) d = find(j, "dtype");
+  if (d != nullptr) {
     TORCH_CHECK_VALUE(d->is_string(), "config.json: 'torch_dtype' must be a string, got ",
                       d->dump());
     c.torch_dtype = parse_dtype(d->get<std::string>());

@@ -157,6 +157,18 @@ TEST(Presets, ParsesQwen3ConfigJson) {
   EXPECT_EQ(c.max_position_embeddings, 40960);
 }
 
+// transformers >= 5 writes rope_theta and the scaling as one "rope_parameters"
+// object, and "dtype" for "torch_dtype".
+TEST(Presets, ParsesRopeParametersOfNewerConfigs) {
+  const auto c = from_hf_config_json(R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}})");
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.rope_type, "linear");
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 2.0);
+  EXPECT_EQ(c.torch_dtype, at::kBFloat16);
+}
+
 TEST(Presets, LoadsConfigFromFile) {
   const std::string path = ::testing::TempDir() + "roundpipe_presets_config.json";
   std::ofstream(path) << kQwen3Json;

@@ -1,0 +1,171 @@
+"""B5 (BENCHMARKS.md): training a decoder with Qwen3-1.7B shapes (28 layers,
+hidden 2048, 16 heads / 8 kv heads, MLP 6144, vocab 151936), random weights,
+bf16 model with fp32 optimizer copies, sequences of 2048 tokens, on the GPU:
+roundpipe against plain PyTorch on the same GPU, in one process:
+  (a) with per-layer activation checkpointing (the same recomputation),
+  (b) without it (informational).
+Plain PyTorch trains fp32 parameters under bf16 autocast with a fused AdamW
+on the GPU; roundpipe keeps the model in host memory (bf16), its optimizer
+copies in fp32, and runs AdamW on the CPU one step behind.
+
+    python bench/b5_gpu.py [--batch 8] [--steps 4] [--warmup 2] [--tiny]
+
+--tiny runs a small config (a dry run that works on CPU devices too).
+Prints a table, then: RESULT id=B5 tokens_per_s=... tokens_vs_torch_ckpt=...
+tokens_vs_torch=... peak_mem_vs_torch=... tokens_vs_reference=na ...
+"""
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+
+import roundpipe  # noqa: E402
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, presets  # noqa: E402
+from reference_decoder import RefConfig, RefDecoder  # noqa: E402
+
+
+def qwen3_1_7b_shapes(tiny):
+    c = presets.DecoderConfig()
+    c.model_type = "qwen3"
+    if tiny:
+        c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = 512, 128, 384, 4
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 4, 2, 32
+    else:
+        c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = 151936, 2048, 6144, 28
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 16, 8, 128
+    c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings = 1e-6, 1000000.0, True
+    c.max_position_embeddings = 40960
+    c.loss_chunk_size = 4096
+    c.validate()
+    return c
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_bytes(device):
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+
+
+def reset_peak(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def timed_steps(step, warmup, steps, device, finish=lambda: None):
+    for _ in range(warmup):
+        step()
+    finish()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    finish()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def run_roundpipe(cfg, ids, labels, args, device):
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    net = presets.make_decoder(cfg).to(torch.bfloat16)
+    m = args.microbatches or ids.shape[0]
+    model = RoundPipe(net, optim_dtype=torch.float32, name="b5",
+                      model_run_config=RoundPipeRunConfig(num_microbatch=m))
+    with OptimizerCtx():
+        opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    print(f"roundpipe: model built in {time.perf_counter() - t0:.1f} s "
+          f"({sum(p.numel() for p in net.parameters()) / 1e9:.2f} B parameters)", flush=True)
+    reset_peak(device)
+    losses = []
+
+    def step():
+        losses.append(float(model.forward_backward(input_args=(ids,), input_kwargs={"labels": labels},
+                                                   loss_fn=lambda out, _: out / m)))
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+
+    seconds = timed_steps(step, args.warmup, args.steps, device, finish=model.synchronize)
+    peak = peak_bytes(device)
+    print(f"roundpipe: losses {[round(x, 4) for x in losses]}", flush=True)
+    del model, opt, net
+    return seconds, peak
+
+
+def run_torch(cfg, ids, labels, args, device, checkpoint_layers):
+    reset_peak(device)
+    torch.manual_seed(0)
+    if hasattr(torch, "set_default_device"):  # torch >= 2.0: build on the device directly
+        with torch.device(device):
+            ref = RefDecoder(RefConfig.of(cfg), checkpoint_layers=checkpoint_layers)
+    else:
+        ref = RefDecoder(RefConfig.of(cfg), checkpoint_layers=checkpoint_layers).to(device)
+    for p in ref.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5, weight_decay=0.0, **fused)
+    dev_ids, dev_labels = ids.to(device), labels.to(device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = ref(dev_ids, dev_labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = timed_steps(step, args.warmup, args.steps, device)
+    peak = peak_bytes(device)
+    del ref, opt
+    return seconds, peak
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; 64 with --tiny)")
+    ap.add_argument("--microbatches", type=int, default=0, help="default: one per sequence")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--skip-torch", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seq = args.seq or (64 if args.tiny else 2048)
+    cfg = qwen3_1_7b_shapes(args.tiny)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, seq), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    tokens = args.batch * seq
+    print(f"B5: devices {roundpipe._C.get_device_names()}, torch {torch.__version__}, batch {args.batch} x {seq} "
+          f"tokens, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+
+    rp_s, rp_peak = run_roundpipe(cfg, ids, labels, args, device)
+    rows = [("roundpipe", rp_s, rp_peak)]
+    if not args.skip_torch:
+        rows.append(("torch+ckpt", *run_torch(cfg, ids, labels, args, device, True)))
+        rows.append(("torch", *run_torch(cfg, ids, labels, args, device, False)))
+    print(f"{'run':<12} {'s/step':>8} {'tokens/s':>10} {'peak GiB':>9}")
+    for name, s, peak in rows:
+        print(f"{name:<12} {s:8.3f} {tokens / s:10.0f} {peak / 2**30:9.2f}")
+    result = {"tokens_per_s": f"{tokens / rp_s:.0f}", "peak_gib": f"{rp_peak / 2**30:.2f}"}
+    if not args.skip_torch:
+        (_, ck_s, ck_peak), (_, pl_s, pl_peak) = rows[1], rows[2]
+        result.update(tokens_vs_torch_ckpt=f"{ck_s / rp_s:.3f}", tokens_vs_torch=f"{pl_s / rp_s:.3f}",
+                      peak_mem_vs_torch=f"{rp_peak / ck_peak:.3f}" if ck_peak else "na",
+                      torch_ckpt_peak_gib=f"{ck_peak / 2**30:.2f}", torch_peak_gib=f"{pl_peak / 2**30:.2f}")
+    result.update(tokens_vs_reference="na", batch=args.batch, seq=seq, model="tiny" if args.tiny else "qwen3-1.7b")
+    print("RESULT id=B5 " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
