@@ -4,13 +4,19 @@
 // computation of the same math, and rejects bad uses without changing it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <map>
+#include <regex>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include <roundpipe/lora.h>
 #include <roundpipe/optim/adam.h>
 #include <roundpipe/presets.h>
+#include <roundpipe/trace.h>
 
 #include "models.h"
 #include "preset_reference.h"
@@ -238,6 +244,40 @@ TEST(Lora, MatchesIndependentImplementation) {
       }
     }
   }
+}
+
+// The gradient downloads of a call (the trace's "grads" events) carry the
+// adapters' gradients only: frozen parameters' gradients are neither computed
+// nor moved.
+TEST(Lora, DownloadsOnlyAdapterGradients) {
+  torch::manual_seed(15);
+  DecoderConfig c = small_config("qwen3", true);
+  torch::nn::Sequential net = make_decoder(c);
+  apply_lora(net, LoraConfig());
+  int64_t adapter_bytes = 0;
+  for (const auto& item : lora_parameters(net)) adapter_bytes += int64_t(item.second.nbytes());
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(devices(2)).set_name("lora_trace"));
+  const std::string path = ::testing::TempDir() + "roundpipe_lora_trace.json";
+  start_trace(path);
+  at::Tensor ids = torch::randint(c.vocab_size, {4, 6});
+  model.forward_backward({ids}, make_kwargs({{"labels", ids.roll(-1, 1)}}), c10::IValue(),
+                         preset_loss_fn(), false, RunConfig().num_microbatch(2));
+  model.synchronize();
+  stop_trace();
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  std::remove(path.c_str());
+  const std::string json = text.str();
+  const std::regex grads(
+      R"re("name":"grads s[0-9]+"[^}]*"model":"lora_trace"[^}]*"bytes":([0-9]+))re");
+  int64_t downloaded = 0, events = 0;
+  for (auto it = std::sregex_iterator(json.begin(), json.end(), grads);
+       it != std::sregex_iterator(); ++it) {
+    downloaded += std::stoll((*it)[1].str());
+    ++events;
+  }
+  EXPECT_GT(events, 0);
+  EXPECT_EQ(downloaded, adapter_bytes);
 }
 
 TEST(Lora, RejectsBadUsesWithoutChangingTheModel) {
