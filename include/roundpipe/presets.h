@@ -30,6 +30,9 @@
 // token expected after input_ids[b, ..t]); unlike transformers, the head does
 // not shift them. Positions whose label is ignore_index (-100) do not count.
 //
+// LoRA fine-tuning: apply_lora (lora.h) adds adapters to the projections and
+// freezes everything else.
+//
 // Thread-safety: configs are values; modules are thread-compatible (RoundPipe
 // runs a clone per device).
 #pragma once
@@ -139,8 +142,45 @@ std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const DecoderConfig& config, in
 // x * cos + rotate_half(x) * sin; x [..., T, head_dim], tables cast to x's dtype.
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// A linear projection, y = x @ weight^T (+ bias), with the parameter names of
+// torch::nn::Linear ("weight" [out, in], "bias" [out] only when `bias`), so
+// Hugging Face names hold. reset() initializes as torch::nn::Linear does
+// (kaiming-uniform with a = sqrt(5); the presets then redraw the weight).
+//
+// Optionally it carries a low-rank adapter (LoRA, see lora.h), added by
+// add_adapter: parameters "lora_A" [rank, in] (kaiming-uniform, a = sqrt(5))
+// and "lora_B" [out, rank] (zeros), registered after weight and bias, and
+//   y = x @ weight^T (+ bias) + lora_scaling * (x @ lora_A^T) @ lora_B^T.
+// Clones (RoundPipe makes one per device) keep the adapter: reset()
+// registers it whenever lora_rank > 0.
+class ProjectionImpl : public torch::nn::Cloneable<ProjectionImpl> {
+ public:
+  ProjectionImpl(int64_t in_features, int64_t out_features, bool bias);
+  void reset() override;
+  // x [..., in] -> [..., out].
+  at::Tensor forward(const at::Tensor& x);
+  // Registers lora_A and lora_B (in weight's dtype and device) and sets
+  // lora_scaling. Throws c10::ValueError if rank < 1 or the projection
+  // already has an adapter.
+  void add_adapter(int64_t rank, double scaling);
+  bool has_adapter() const { return lora_rank > 0; }
+
+  int64_t in_features, out_features;
+  bool with_bias;
+  int64_t lora_rank = 0;      // 0: no adapter
+  double lora_scaling = 0.0;  // alpha / rank
+  at::Tensor weight;          // [out, in]
+  at::Tensor bias;            // [out], undefined unless with_bias
+  at::Tensor lora_A;          // [rank, in], undefined without an adapter
+  at::Tensor lora_B;          // [out, rank], undefined without an adapter
+
+ private:
+  void reset_adapter();
+};
+TORCH_MODULE(Projection);
+
 // Causal grouped-query self-attention. Children: q_proj, k_proj, v_proj,
-// o_proj (torch::nn::Linear), and with qk_norm q_norm, k_norm (RMSNorm over
+// o_proj (Projection), and with qk_norm q_norm, k_norm (RMSNorm over
 // head_dim).
 class DecoderAttentionImpl : public torch::nn::Cloneable<DecoderAttentionImpl> {
  public:
@@ -150,12 +190,13 @@ class DecoderAttentionImpl : public torch::nn::Cloneable<DecoderAttentionImpl> {
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin);
 
   DecoderConfig config;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  Projection q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // null unless config.qk_norm()
 };
 TORCH_MODULE(DecoderAttention);
 
-// SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)).
+// SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); the three are
+// Projections.
 class DecoderMlpImpl : public torch::nn::Cloneable<DecoderMlpImpl> {
  public:
   explicit DecoderMlpImpl(DecoderConfig config);
@@ -163,7 +204,7 @@ class DecoderMlpImpl : public torch::nn::Cloneable<DecoderMlpImpl> {
   at::Tensor forward(const at::Tensor& x);
 
   DecoderConfig config;
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Projection gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(DecoderMlp);
 

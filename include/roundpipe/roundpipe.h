@@ -7,6 +7,7 @@
 #include <roundpipe/devices.h>
 #include <roundpipe/grad_scaler.h>
 #include <roundpipe/layer.h>
+#include <roundpipe/lora.h>
 #include <roundpipe/microbatch.h>
 #include <roundpipe/model.h>
 #include <roundpipe/optimizer.h>

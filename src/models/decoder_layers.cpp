@@ -13,15 +13,11 @@ namespace roundpipe {
 namespace {
 
 // Hugging Face's _init_weights: normal(0, std) weights, zero biases.
-void init_linear(torch::nn::Linear& linear, double std) {
+Projection make_linear(int64_t in, int64_t out, bool bias, double std) {
+  Projection l(in, out, bias);
   torch::NoGradGuard no_grad;
-  linear->weight.normal_(0.0, std);
-  if (linear->bias.defined()) linear->bias.zero_();
-}
-
-torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias, double std) {
-  torch::nn::Linear l(torch::nn::LinearOptions(in, out).bias(bias));
-  init_linear(l, std);
+  l->weight.normal_(0.0, std);
+  if (l->bias.defined()) l->bias.zero_();
   return l;
 }
 
@@ -75,6 +71,50 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   at::Tensor h = x.to(at::kFloat);
   h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * h.to(x.scalar_type());
+}
+
+// ---- Projection ----
+
+ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, bool bias_)
+    : in_features(in), out_features(out), with_bias(bias_) {
+  reset();
+}
+
+void ProjectionImpl::reset() {
+  // As torch::nn::Linear (same draws from the generator, in the same order).
+  weight = register_parameter("weight", torch::empty({out_features, in_features}));
+  if (with_bias) bias = register_parameter("bias", torch::empty({out_features}));
+  {
+    torch::NoGradGuard no_grad;
+    torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (with_bias) {
+      const double bound = in_features > 0 ? 1.0 / std::sqrt(double(in_features)) : 0.0;
+      bias.uniform_(-bound, bound);
+    }
+  }
+  if (lora_rank > 0) reset_adapter();
+}
+
+void ProjectionImpl::reset_adapter() {
+  lora_A = register_parameter("lora_A", torch::empty({lora_rank, in_features}, weight.options()));
+  lora_B = register_parameter("lora_B", torch::zeros({out_features, lora_rank}, weight.options()));
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(lora_A, std::sqrt(5.0));
+}
+
+void ProjectionImpl::add_adapter(int64_t rank, double scaling) {
+  TORCH_CHECK_VALUE(rank >= 1, "Projection::add_adapter: rank must be >= 1, got ", rank);
+  TORCH_CHECK_VALUE(lora_rank == 0,
+                    "Projection::add_adapter: the projection already has an adapter");
+  lora_rank = rank;
+  lora_scaling = scaling;
+  reset_adapter();
+}
+
+at::Tensor ProjectionImpl::forward(const at::Tensor& x) {
+  at::Tensor y = at::linear(x, weight, bias);
+  if (lora_rank == 0) return y;
+  return y + at::linear(at::linear(x, lora_A), lora_B) * lora_scaling;
 }
 
 // ---- Rotary embeddings ----
