@@ -21,6 +21,11 @@
 // CheckpointState names. Not saved: automatic plans (they follow from the
 // timer and the device count; use a fixed ModelExecutePlan for a bitwise
 // resume on another device count), the process-wide set_sync_warmup_steps.
+// GradScaler: its state_dict() (torch's keys) is saved. That is its whole
+// state with update(is_async=false); with asynchronous updates a growth or
+// backoff still pending at the save takes effect one update later after a
+// resume than without the break (the parameters' trajectory is bitwise only
+// while no such change is pending, e.g. scale changes only on sync updates).
 //
 // Saving does not change the trajectory: it waits for the step in flight but
 // does not publish its result into the masters (the next calls must still see

@@ -228,8 +228,9 @@ std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
   std::vector<std::shared_ptr<RoundPipe::Impl>> live;
   {
     std::lock_guard<std::mutex> lock(registry_mu());
-    for (const auto& m : registry()) {
-      if (auto p = m.lock()) live.push_back(std::move(p));
+    // Newest first: a closed model may still be alive for a moment.
+    for (auto it = registry().rbegin(); it != registry().rend(); ++it) {
+      if (auto p = it->lock()) live.push_back(std::move(p));
     }
   }
   for (const auto& m : live) {

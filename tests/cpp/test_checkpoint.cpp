@@ -89,15 +89,22 @@ struct Trainer {
 
   // `init` seeds the initial weights and the model's random streams; a
   // resumed trainer gets other ones, which the checkpoint must override.
-  Trainer(int64_t devices, uint64_t init)
+  // With `scaled`, losses go through a GradScaler whose scale grows every
+  // third step.
+  std::unique_ptr<GradScaler> scaler;
+
+  Trainer(int64_t devices, uint64_t init, bool scaled = false)
       : net((torch::manual_seed(init), make_transformer(/*dropout=*/0.2))),
         model(net, RoundPipeOptions().set_max_devices(devices).set_seed(1000 + init)),
-        opt(model.optim_parameters(), optim::AdamOptions(1e-2)) {}
+        opt(model.optim_parameters(), optim::AdamOptions(1e-2)) {
+    if (scaled) scaler = std::make_unique<GradScaler>(GradScalerOptions().set_init_scale(256).set_growth_interval(3));
+  }
 
   // Step k (1-based): forward_backward on batch k-1, then an async step.
   at::Tensor forward_backward(int k) {
-    LossFn loss_fn = [](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
-      return lm_loss(out.toTensor(), y.toTensor());
+    LossFn loss_fn = [this](const c10::IValue& out, const c10::IValue& y) -> c10::IValue {
+      at::Tensor loss = lm_loss(out.toTensor(), y.toTensor());
+      return scaler ? scaler->scale(loss) : loss;
     };
     const Batches& b = batches();
     return model.forward_backward({b.ids[k - 1]}, make_kwargs(), b.targets[k - 1], loss_fn, false, cfg).toTensor();
@@ -105,15 +112,21 @@ struct Trainer {
   void step(bool is_async) {
     model.step(
         [this] {
-          opt.step();
+          if (scaler) {
+            scaler->step(opt);
+          } else {
+            opt.step();
+          }
           opt.zero_grad();
         },
         is_async);
+    if (scaler) scaler->update(c10::nullopt, is_async);
   }
 
   CheckpointState state(int64_t step) {
     CheckpointState s;
     s.optimizer = &opt;
+    s.scaler = scaler.get();
     s.step = step;
     s.data_position = DataPosition{7, 1, step * 8};
     s.metadata_json = "{\"run\": \"test\"}";
@@ -143,17 +156,20 @@ void run_steps(Trainer& t, int first, Trajectory& out, SavePoint save, const std
   out.copies = clones(t.model.optim_named_parameters());
 }
 
-Trajectory uninterrupted(int64_t devices, SavePoint save, const std::string& path, bool is_async = true) {
-  Trainer t(devices, /*init=*/7);
+Trajectory uninterrupted(int64_t devices, SavePoint save, const std::string& path, bool is_async = true,
+                         bool scaled = false) {
+  Trainer t(devices, /*init=*/7, scaled);
   Trajectory out;
   run_steps(t, 1, out, save, path, is_async);
   return out;
 }
 
-Trajectory resumed(int64_t devices, SavePoint save, const std::string& path, bool is_async = true) {
-  Trainer t(devices, /*init=*/8);
+Trajectory resumed(int64_t devices, SavePoint save, const std::string& path, bool is_async = true,
+                   bool scaled = false) {
+  Trainer t(devices, /*init=*/8, scaled);
   CheckpointState state;
   state.optimizer = &t.opt;
+  state.scaler = t.scaler.get();
   load_checkpoint(path, t.model, state);
   const int64_t saved_step = save == SavePoint::kAfterStep ? kSaveAt : kSaveAt - 1;
   EXPECT_EQ(state.step, saved_step);
@@ -208,6 +224,16 @@ TEST(Checkpoint, ResumeWithSynchronousSteps) {
   const std::string path = temp_dir() + "/sync.ckpt";
   const Trajectory full = uninterrupted(2, SavePoint::kAfterStep, path, /*is_async=*/false);
   expect_resumed_equal(full, resumed(1, SavePoint::kAfterStep, path, /*is_async=*/false), "synchronous");
+}
+
+// With synchronous steps and updates the scaler's state_dict is its whole
+// state. (With asynchronous updates a growth or backoff still pending at the
+// save takes effect one update later after a resume: checkpoint.h.)
+TEST(Checkpoint, ResumeWithAGradScalerAndSynchronousUpdates) {
+  const std::string path = temp_dir() + "/scaled.ckpt";
+  const Trajectory full = uninterrupted(2, SavePoint::kAfterStep, path, /*is_async=*/false, /*scaled=*/true);
+  expect_resumed_equal(full, resumed(3, SavePoint::kAfterStep, path, /*is_async=*/false, /*scaled=*/true),
+                       "scaled, synchronous");
 }
 
 TEST(Checkpoint, RestoresTimerSeedAndScaler) {
