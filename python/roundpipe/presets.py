@@ -83,6 +83,13 @@ class NativeLayer(nn.Module):
     def __init__(self, native):
         super().__init__()
         object.__setattr__(self, "_roundpipe_native", native)
+        self._mirror()
+        self.training = native.is_training()
+
+    def _mirror(self):
+        """Puts the C++ module's tensors (new ones too, e.g. LoRA adapters)
+        into this module tree."""
+        native = self._roundpipe_native
         for name, tensor in native.named_parameters():
             owner, leaf = self._owner(name)
             if not isinstance(tensor, nn.Parameter):
@@ -91,7 +98,6 @@ class NativeLayer(nn.Module):
         for name, tensor in native.named_buffers():
             owner, leaf = self._owner(name)
             owner._buffers[leaf] = tensor
-        self.training = native.is_training()
 
     def _owner(self, dotted):
         *path, leaf = dotted.split(".")
@@ -123,6 +129,32 @@ def make_decoder(config):
     if not isinstance(config, DecoderConfig):
         raise TypeError(f"make_decoder: expected a presets.DecoderConfig, got {type(config).__name__}")
     return nn.Sequential(*[NativeLayer(layer) for layer in _C.decoder_layers(config)])
+
+
+def apply_lora(net, rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """Adds LoRA adapters (PEFT's math: ``y = base(x) + alpha/rank * (x A^T) B^T``,
+    A kaiming-uniform, B zero, so the model starts unchanged) to the named
+    projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj) of every block of ``net`` (from make_decoder), and freezes
+    everything else. Call before wrapping ``net`` in a RoundPipe: only the
+    adapters then get optimizer copies and gradients. Returns the number of
+    adapted projections; raises ValueError (nothing changed) on a bad
+    argument, a second call, or a model that is not a preset."""
+    if not isinstance(net, nn.Sequential) or not all(isinstance(m, NativeLayer) for m in net):
+        raise TypeError("apply_lora: expected the nn.Sequential returned by presets.make_decoder")
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    config = _C.LoraConfig()
+    config.rank, config.alpha, config.target_modules = rank, float(alpha), list(target_modules)
+    count = _C.apply_lora([layer._roundpipe_native for layer in net], config)
+    for layer in net:
+        layer._mirror()
+    return count
+
+
+def lora_state_dict(net):
+    """The adapter tensors of ``net`` by parameter name (e.g. to save them)."""
+    return {name: p for name, p in net.named_parameters() if ".lora_" in name}
 
 
 def hf_parameter_names(config):
@@ -173,5 +205,5 @@ def loss_fn(outputs, labels):
 chunked_cross_entropy = _C.chunked_cross_entropy
 
 __all__ = ["DecoderConfig", "NativeLayer", "config_from_hf", "load_config", "tiny_llama_config",
-           "tiny_qwen3_config", "make_decoder", "hf_parameter_names", "load_hf_weights", "loss_fn",
+           "tiny_qwen3_config", "make_decoder", "apply_lora", "lora_state_dict", "hf_parameter_names", "load_hf_weights", "loss_fn",
            "chunked_cross_entropy"]

@@ -26,6 +26,7 @@ void bind_optim(py::module_& m);
 void bind_grad_scaler(py::module_& m);
 void bind_safetensors(py::module_& m);
 void bind_token_data(py::module_& m);
+void bind_checkpoint(py::module_& m);
 
 namespace {
 
@@ -241,6 +242,7 @@ PYBIND11_MODULE(_C, m) {
   bind_safetensors(m);
   bind_token_data(m);
   bind_presets(m);
+  bind_checkpoint(m);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&>())

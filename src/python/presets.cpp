@@ -5,6 +5,7 @@
 #include "python/native_module.h"
 #include "python/values.h"
 #include "roundpipe/layer.h"
+#include "roundpipe/lora.h"
 #include "roundpipe/presets.h"
 
 namespace roundpipe {
@@ -44,6 +45,13 @@ py::list decoder_layers(const DecoderConfig& config) {
   py::list out;
   for (const auto& any : *net) out.append(NativeModule{any});
   return out;
+}
+
+// apply_lora over the layers of a Python preset (the same C++ modules).
+int64_t apply_lora_py(const py::list& natives, const LoraConfig& config) {
+  torch::nn::Sequential net;
+  for (const auto& n : natives) net->push_back(n.cast<NativeModule&>().any);
+  return apply_lora(net, config);
 }
 
 }  // namespace
@@ -86,6 +94,14 @@ void bind_presets(py::module_& m) {
       .def_property_readonly("kv_heads", &DecoderConfig::kv_heads)
       .def_property_readonly("qk_norm", &DecoderConfig::qk_norm)
       .def("validate", &DecoderConfig::validate);
+
+  py::class_<LoraConfig>(m, "LoraConfig")
+      .def(py::init<>())
+      .def_readwrite("rank", &LoraConfig::rank)
+      .def_readwrite("alpha", &LoraConfig::alpha)
+      .def_readwrite("target_modules", &LoraConfig::target_modules)
+      .def("validate", &LoraConfig::validate);
+  m.def("apply_lora", &apply_lora_py);
 
   m.def("decoder_config_from_json", &from_hf_config_json);
   m.def("tiny_llama_config", &tiny_llama_config);

@@ -131,3 +131,43 @@ def test_config_from_hugging_face_json(tmp_path):
         presets.load_config(tmp_path / "missing.json")
     with pytest.raises(TypeError):
         presets.make_decoder({"model_type": "llama"})
+
+
+def test_lora_trains_only_the_adapters():
+    from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+    from roundpipe.optim import AdamW
+    torch.manual_seed(0)
+    cfg = presets.tiny_llama_config()
+    cfg.num_hidden_layers = 2
+    net = presets.make_decoder(cfg)
+    ids = torch.randint(0, 256, (4, 32))
+    with torch.no_grad():
+        base_logits = net[3](net[2](net[1](net[0](ids))))
+    assert presets.apply_lora(net, rank=4, alpha=8, target_modules=["q_proj", "v_proj"]) == 4
+    adapters = presets.lora_state_dict(net)
+    assert sorted(adapters)[:2] == ["1.self_attn.q_proj.lora_A", "1.self_attn.q_proj.lora_B"]
+    with torch.no_grad():
+        assert torch.equal(net[3](net[2](net[1](net[0](ids)))), base_logits)  # B starts at zero
+    base = {n: p.detach().clone() for n, p in net.named_parameters() if ".lora_" not in n}
+    lora = {n: p.detach().clone() for n, p in adapters.items()}
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert len(model.optim_parameters()) == len(adapters)
+    with OptimizerCtx():
+        opt = AdamW(model.parameters(), lr=1e-2)
+    labels = torch.roll(ids, -1, 1)
+    losses = []
+    for _ in range(6):
+        losses.append(float(model.forward_backward(input_args=(ids,), input_kwargs={"labels": labels},
+                                                   loss_fn=lambda out, _: out / 2)))
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    assert losses[-1] < losses[0]
+    for n, p in net.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]) and p.grad is None, n
+        else:
+            assert not torch.equal(p, lora[n]), n
+    with pytest.raises(ValueError, match="twice"):
+        presets.apply_lora(net)
+    with pytest.raises(ValueError, match="rank"):
+        presets.apply_lora(presets.make_decoder(cfg), rank=0)
