@@ -29,6 +29,9 @@
 namespace roundpipe {
 
 class Layer;
+namespace detail {
+struct CheckpointAccess;
+}  // namespace detail
 
 // loss_fn(outputs of one microbatch, label of that microbatch) -> a scalar
 // tensor or a list/tuple of scalar tensors. Runs on the device next to the
@@ -171,6 +174,7 @@ class RoundPipe {
   class Impl;
 
  private:
+  friend struct detail::CheckpointAccess;  // checkpoint.h saves and restores the engine's state
   std::shared_ptr<Impl> impl_;
 };
 

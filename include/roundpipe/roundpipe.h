@@ -4,6 +4,7 @@
 #pragma once
 
 #include <roundpipe/auto_plan.h>
+#include <roundpipe/checkpoint.h>
 #include <roundpipe/devices.h>
 #include <roundpipe/grad_scaler.h>
 #include <roundpipe/layer.h>

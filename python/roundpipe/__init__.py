@@ -18,6 +18,7 @@ import torch as _torch  # loads libtorch and its Python bindings before the engi
 
 from . import _C
 from . import data, microbatch, optim, safetensors, timer, trace
+from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
 from .grad_scaler import GradScaler  # noqa: F401
 from .optimizer_ctx import OptimizerCtx
@@ -44,5 +45,6 @@ def set_sync_warmup_steps(n: int) -> None:
 __all__ = [
     "RoundPipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
     "save_for_recompute", "doing_recompute", "get_recompute_data", "get_num_devices",
-    "set_sync_warmup_steps", "data", "microbatch", "optim", "safetensors", "timer", "trace",
+    "set_sync_warmup_steps", "save_checkpoint", "load_checkpoint",
+    "data", "microbatch", "optim", "safetensors", "timer", "trace",
 ]

@@ -7,6 +7,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "engine/call.h"
+#include "engine/checkpoint_internal.h"
 #include "engine/host_store.h"
 #include "engine/model_impl.h"
 #include "engine/value_tree.h"
@@ -116,10 +117,13 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
   int64_t i = 0;
   for (const auto& any : *model) layers.push_back(make_module_layer(any, i++));
   impl_ = std::make_shared<Impl>(std::move(layers), std::move(options), model);
+  detail::note_live_model(impl_);
 }
 
 RoundPipe::RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options)
-    : impl_(std::make_shared<Impl>(std::move(layers), std::move(options), torch::nn::Sequential(nullptr))) {}
+    : impl_(std::make_shared<Impl>(std::move(layers), std::move(options), torch::nn::Sequential(nullptr))) {
+  detail::note_live_model(impl_);  // found by tensor for the language bindings' checkpoints
+}
 
 RoundPipe::~RoundPipe() = default;
 RoundPipe::RoundPipe(RoundPipe&&) noexcept = default;

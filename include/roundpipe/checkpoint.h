@@ -1,0 +1,89 @@
+// Checkpoints of the whole training state, resumable to a bitwise-identical
+// trajectory (SPEC 8), also on a different number of devices:
+//
+//   roundpipe::CheckpointState state;
+//   state.optimizer = &opt;
+//   state.step = step;
+//   state.data_position = batcher.position();
+//   roundpipe::save_checkpoint("run/ckpt.pt", model, state);
+//   ...
+//   roundpipe::load_checkpoint("run/ckpt.pt", model, state);   // a fresh model and optimizer
+//   batcher.seek(state.data_position);
+//   for (int64_t s = state.step + 1; ...)                     // same losses as without the break
+//
+// What a checkpoint holds: the model's master parameters and buffers; the
+// optimizer copies, separately (with the one-step delay, or another
+// optim_dtype, they differ from the masters); gradients not yet handed to an
+// optimizer (the fp32 accumulators, the masters' .grad after synchronize, the
+// optimizer copies' .grad); the engine's counters (the seed and call counter
+// that key the random streams, the step counter of the sync warm-up, whether
+// the masters are one step behind); the ModelTimer state; and what the
+// CheckpointState names. Not saved: automatic plans (they follow from the
+// timer and the device count; use a fixed ModelExecutePlan for a bitwise
+// resume on another device count), the process-wide set_sync_warmup_steps.
+// GradScaler: its state_dict() (torch's keys) is saved. That is its whole
+// state with update(is_async=false); with asynchronous updates a growth or
+// backoff still pending at the save takes effect one update later after a
+// resume than without the break (the parameters' trajectory is bitwise only
+// while no such change is pending, e.g. scale changes only on sync updates).
+//
+// Saving does not change the trajectory: it waits for the step in flight but
+// does not publish its result into the masters (the next calls must still see
+// θ_{k-1}); both generations are saved and loading restores both.
+//
+// The file is a libtorch archive (zip; torch::serialize). Saving streams the
+// tensors to a temporary file in the same directory, flushes it to disk,
+// renames it over `path` and flushes the directory: a crash at any point
+// leaves either the previous file or the new one at `path` (a crashed save
+// may leave a "<path>.tmp.<pid>.<n>" file behind).
+//
+// Thread-compatible: call on the model's user thread, between calls.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <string>
+
+#include <roundpipe/grad_scaler.h>
+#include <roundpipe/model.h>
+#include <roundpipe/token_data.h>
+
+namespace roundpipe {
+
+// What travels besides the model.
+struct CheckpointState {
+  // Its state (torch::optim archive: save()/load()) is saved when set, and
+  // loaded when set. It must be built over the model's optim_parameters().
+  torch::optim::Optimizer* optimizer = nullptr;
+  // Its state_dict() is saved when set, and loaded (load_state_dict) when set.
+  GradScaler* scaler = nullptr;
+  // The user's training-step counter.
+  int64_t step = 0;
+  // Where the data stream stands (TokenBatcher::position()).
+  DataPosition data_position;
+  // Free-form, e.g. the training program's configuration; stored as given.
+  std::string metadata_json = "{}";
+};
+
+// Writes the whole training state of `model` to `path` (one file), atomically
+// (see the top of this file). Waits for the queued optimizer work first; an
+// error of an asynchronous step_fn is rethrown here (nothing is written).
+// Throws c10::Error naming the file and the system error when it cannot be
+// written; the previous file at `path` is then unchanged.
+void save_checkpoint(const std::string& path, RoundPipe& model, const CheckpointState& state);
+
+// Restores a checkpoint into `model`, which must have the same architecture
+// (the same parameter and buffer names, shapes and dtypes, the same
+// optim_dtype); its device count may differ. The model takes the saved seed
+// of its random streams. Fills state.step, data_position and metadata_json;
+// loads the optimizer's and the scaler's state when those are set (the
+// optimizer must be built over this model's optim_parameters(), in the same
+// order and groups as the saved one). Waits for queued work first.
+// c10::ValueError naming the file and the problem for a missing, truncated or
+// corrupt file, another architecture (missing, unexpected, mis-shaped
+// tensors), or an optimizer/scaler requested that the file does not hold.
+// A failed load leaves the model, optimizer, scaler and `state` unchanged.
+void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState& state);
+
+}  // namespace roundpipe

@@ -1,0 +1,502 @@
+// Checkpoints of the whole training state (checkpoint.h): one libtorch
+// archive in the frame of checkpoint_file.h, streamed to a temporary file and
+// renamed over the target.
+//
+// Entries (all top-level attributes of the archive):
+//   format "roundpipe-checkpoint", version 1
+//   state_names [str], state [Tensor]        master parameters and buffers (state_dict order)
+//   optim_names [str], optim [Tensor]        optimizer copies
+//   accum_names/accum, grad_names/grad,      pending gradients: fp32 accumulators,
+//   optim_grad_names/optim_grad              the masters' .grad, the copies' .grad
+//   engine [int]                             num_layers, seed, next_call_id, steps_issued, behind
+//   timer_warmed [bool], timer_count [int], timer_mean [float]
+//   user [int]                               step, data seed, data epoch, data index
+//   metadata_json str
+//   optimizer (nested archive), scaler_float {str: float}, scaler_int {str: int}   when given
+//   extra Tensor (uint8)                     bindings' own bytes, when given
+#include "engine/checkpoint_internal.h"
+
+#include "engine/checkpoint_file.h"
+
+#include <ATen/ATen.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace roundpipe {
+namespace detail {
+namespace {
+
+constexpr const char* kFormat = "roundpipe-checkpoint";
+constexpr int64_t kVersion = 1;
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+// The tensor as it should be stored: its own compact storage (a view of a
+// larger storage would save all of it), without autograd state.
+at::Tensor storable(const at::Tensor& t) {
+  at::Tensor d = t.detach();
+  const bool compact = d.is_contiguous() && d.storage_offset() == 0 &&
+                       d.storage().nbytes() == static_cast<size_t>(d.numel()) * d.element_size();
+  return compact ? d : d.clone(at::MemoryFormat::Contiguous);
+}
+
+void write_named(torch::serialize::OutputArchive& ar, const std::string& key,
+                 const std::vector<std::pair<std::string, at::Tensor>>& entries) {
+  c10::List<std::string> names;
+  c10::List<at::Tensor> values;
+  for (const auto& [name, t] : entries) {
+    names.push_back(name);
+    values.push_back(storable(t));
+  }
+  ar.write(key + "_names", names);
+  ar.write(key, values);
+}
+
+// ---- reading ----
+
+// Errors of one load, all naming the file.
+struct Reader {
+  const std::string& path;
+  torch::serialize::InputArchive& ar;
+
+  [[noreturn]] void damaged(const std::string& what) const {
+    TORCH_CHECK_VALUE(false, "load_checkpoint: '", path, "' is not a valid roundpipe checkpoint (", what,
+                      "); it may be truncated or corrupt: load an earlier checkpoint");
+  }
+
+  c10::IValue get(const std::string& key) const {
+    c10::IValue v;
+    bool found = false;
+    try {
+      found = ar.try_read(key, v);
+    } catch (const std::exception& e) {
+      damaged("entry '" + key + "' cannot be read: " + message_of(e));
+    }
+    if (!found) damaged("entry '" + key + "' is missing");
+    return v;
+  }
+
+  std::vector<int64_t> ints(const std::string& key) const {
+    c10::IValue v = get(key);
+    if (!v.isIntList()) damaged("entry '" + key + "' is not a list of ints");
+    return v.toIntVector();
+  }
+
+  std::vector<std::string> strings(const std::string& key) const {
+    c10::IValue v = get(key);
+    if (!v.isList()) damaged("entry '" + key + "' is not a list");
+    std::vector<std::string> out;
+    for (const c10::IValue& e : v.toListRef()) {
+      if (!e.isString()) damaged("entry '" + key + "' holds a non-string");
+      out.push_back(e.toStringRef());
+    }
+    return out;
+  }
+
+  std::vector<at::Tensor> tensors(const std::string& key) const {
+    c10::IValue v = get(key);
+    if (!v.isTensorList()) damaged("entry '" + key + "' is not a list of tensors");
+    std::vector<at::Tensor> out = v.toTensorVector();
+    for (const at::Tensor& t : out) {
+      if (!t.defined() || !t.device().is_cpu()) damaged("entry '" + key + "' holds an undefined or non-CPU tensor");
+    }
+    return out;
+  }
+
+  // name -> tensor of a write_named() pair of entries.
+  std::vector<std::pair<std::string, at::Tensor>> named(const std::string& key) const {
+    std::vector<std::string> names = strings(key + "_names");
+    std::vector<at::Tensor> values = tensors(key);
+    if (names.size() != values.size()) damaged("entries '" + key + "' and '" + key + "_names' differ in length");
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i], values[i]);
+    return out;
+  }
+};
+
+std::string first_of(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 3; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > 3) out += ", ...";
+  return out;
+}
+
+// Pairs each wanted tensor with its saved value by name; checks that the
+// names match exactly and shapes and dtypes agree.
+std::vector<std::pair<at::Tensor, at::Tensor>> match(const std::string& path, const std::string& what,
+                                                     const std::vector<std::pair<std::string, at::Tensor>>& wanted,
+                                                     const std::vector<std::pair<std::string, at::Tensor>>& saved) {
+  std::unordered_map<std::string, at::Tensor> by_name;
+  for (const auto& [name, t] : saved) by_name[name] = t;
+  std::vector<std::string> missing;
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  for (const auto& [name, dst] : wanted) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    const at::Tensor& src = it->second;
+    TORCH_CHECK_VALUE(src.sizes() == dst.sizes(), "load_checkpoint: '", path, "': ", what, " '", name,
+                      "' has shape ", src.sizes(), " in the checkpoint but ", dst.sizes(),
+                      " in the model (another architecture?)");
+    TORCH_CHECK_VALUE(src.scalar_type() == dst.scalar_type(), "load_checkpoint: '", path, "': ", what, " '", name,
+                      "' has dtype ", src.scalar_type(), " in the checkpoint but ", dst.scalar_type(),
+                      " in the model (build the model with the same dtype and optim_dtype as the saved one)");
+    out.emplace_back(dst, src);
+    by_name.erase(it);
+  }
+  TORCH_CHECK_VALUE(missing.empty(), "load_checkpoint: '", path, "': ", missing.size(), " ", what,
+                    " of the model missing from the checkpoint: ", first_of(missing),
+                    " (it was saved from another architecture)");
+  std::vector<std::string> unexpected;
+  for (const auto& [name, t] : saved) {
+    if (by_name.count(name)) unexpected.push_back(name);
+  }
+  TORCH_CHECK_VALUE(unexpected.empty(), "load_checkpoint: '", path, "': ", unexpected.size(), " ", what,
+                    " in the checkpoint that the model does not have: ", first_of(unexpected),
+                    " (it was saved from another architecture)");
+  return out;
+}
+
+// Pending gradients by parameter id; `dtype_of` gives each one's expected dtype.
+std::vector<at::Tensor> gradients_by_id(const std::string& path, const std::string& what, const Reader& r,
+                                        const std::string& key, const std::vector<HostParam>& params,
+                                        const std::function<c10::optional<at::ScalarType>(const HostParam&)>& dtype_of) {
+  std::unordered_map<std::string, size_t> id_of;
+  for (size_t i = 0; i < params.size(); ++i) id_of[params[i].name] = i;
+  std::vector<at::Tensor> out(params.size());
+  for (auto& [name, t] : r.named(key)) {
+    auto it = id_of.find(name);
+    TORCH_CHECK_VALUE(it != id_of.end(), "load_checkpoint: '", path, "': ", what, " for '", name,
+                      "', which the model does not have (another architecture?)");
+    const HostParam& p = params[it->second];
+    const c10::optional<at::ScalarType> dtype = dtype_of(p);
+    TORCH_CHECK_VALUE(dtype.has_value() && t.sizes() == p.master.sizes() && t.scalar_type() == *dtype,
+                      "load_checkpoint: '", path, "': ", what, " for '", name, "' has shape ", t.sizes(),
+                      " and dtype ", t.scalar_type(), ", which do not fit the model's parameter");
+    out[it->second] = t;
+  }
+  return out;
+}
+
+std::string archive_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive ar;
+  optimizer.save(ar);
+  std::ostringstream os;
+  ar.save_to(os);
+  return os.str();
+}
+
+void load_archive_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes) {
+  torch::serialize::InputArchive ar;
+  ar.load_from(bytes.data(), bytes.size());
+  optimizer.load(ar);
+}
+
+std::mutex& registry_mu() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::vector<std::weak_ptr<RoundPipe::Impl>>& registry() {
+  static std::vector<std::weak_ptr<RoundPipe::Impl>> models;
+  return models;
+}
+
+}  // namespace
+
+void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model) {
+  std::lock_guard<std::mutex> lock(registry_mu());
+  auto& models = registry();
+  models.erase(std::remove_if(models.begin(), models.end(), [](const auto& m) { return m.expired(); }), models.end());
+  models.push_back(model);
+}
+
+std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
+  if (!tensor.defined()) return nullptr;
+  const c10::TensorImpl* wanted = tensor.unsafeGetTensorImpl();
+  std::vector<std::shared_ptr<RoundPipe::Impl>> live;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    // Newest first: a closed model may still be alive for a moment.
+    for (auto it = registry().rbegin(); it != registry().rend(); ++it) {
+      if (auto p = it->lock()) live.push_back(std::move(p));
+    }
+  }
+  for (const auto& m : live) {
+    for (const HostParam& p : m->store->params()) {
+      if (p.master.unsafeGetTensorImpl() == wanted) return m;
+      if (p.optim.defined() && p.optim.unsafeGetTensorImpl() == wanted) return m;
+    }
+    for (const auto& layer : m->layers) {
+      for (const auto& [name, b] : layer->named_buffers()) {
+        if (b.unsafeGetTensorImpl() == wanted) return m;
+      }
+    }
+  }
+  return nullptr;
+}
+
+void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const CheckpointState& state,
+                          const std::string* extra) {
+  TORCH_CHECK_VALUE(!path.empty(), "save_checkpoint: the path is empty");
+  // The step in flight finishes, but its result stays out of the masters:
+  // the next calls must still see θ_{k-1}. Both generations are saved.
+  m.drain_optimizer();
+  m.rethrow_step_error();
+
+  torch::serialize::OutputArchive ar;
+  ar.write("format", c10::IValue(std::string(kFormat)));
+  ar.write("version", c10::IValue(kVersion));
+  std::vector<std::pair<std::string, at::Tensor>> masters, copies, accum, grads, optim_grads;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const std::string prefix = std::to_string(l) + ".";
+    for (auto& [name, t] : m.layers[l]->named_parameters()) masters.emplace_back(prefix + name, t);
+    for (auto& [name, t] : m.layers[l]->named_buffers()) masters.emplace_back(prefix + name, t);
+  }
+  for (const HostParam& p : m.store->params()) {
+    if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
+    if (p.grad.defined()) accum.emplace_back(p.name, p.grad);
+    if (p.master.grad().defined()) grads.emplace_back(p.name, p.master.grad());
+    if (p.optim.defined() && p.optim.grad().defined()) optim_grads.emplace_back(p.name, p.optim.grad());
+  }
+  write_named(ar, "state", masters);
+  write_named(ar, "optim", copies);
+  write_named(ar, "accum", accum);
+  write_named(ar, "grad", grads);
+  write_named(ar, "optim_grad", optim_grads);
+  ar.write("engine", c10::List<int64_t>({m.num_layers(), static_cast<int64_t>(m.seed), m.next_call_id,
+                                         m.steps_issued, m.model_behind_optimizer ? 1 : 0}));
+  c10::List<bool> warmed;
+  c10::List<int64_t> count;
+  c10::List<double> mean;
+  for (const ModelTimer::Entry& e : m.timer.state()) {
+    warmed.push_back(e.warmed_up);
+    count.push_back(e.count);
+    mean.push_back(e.biased_mean);
+  }
+  ar.write("timer_warmed", warmed);
+  ar.write("timer_count", count);
+  ar.write("timer_mean", mean);
+  const DataPosition& pos = state.data_position;
+  ar.write("user", c10::List<int64_t>({state.step, static_cast<int64_t>(pos.seed), pos.epoch, pos.index}));
+  ar.write("metadata_json", c10::IValue(state.metadata_json));
+  if (state.optimizer != nullptr) {
+    torch::serialize::OutputArchive opt;
+    state.optimizer->save(opt);
+    ar.write("optimizer", opt);
+  }
+  if (state.scaler != nullptr) {
+    c10::Dict<std::string, double> floats;
+    c10::Dict<std::string, int64_t> ints;
+    for (const auto& entry : state.scaler->state_dict()) {
+      if (entry.value().isDouble()) {
+        floats.insert(entry.key(), entry.value().toDouble());
+      } else {
+        TORCH_INTERNAL_ASSERT(entry.value().isInt(), "GradScaler state entry '", entry.key(),
+                              "' is neither float nor int");
+        ints.insert(entry.key(), entry.value().toInt());
+      }
+    }
+    ar.write("scaler_float", floats);
+    ar.write("scaler_int", ints);
+  }
+  if (extra != nullptr) {
+    // Viewed, not copied: the archive only reads it.
+    ar.write("extra", at::from_blob(const_cast<char*>(extra->data()), {static_cast<int64_t>(extra->size())},
+                                    at::TensorOptions().dtype(at::kByte)));
+  }
+
+  CheckpointFileWriter writer(path);
+  try {
+    ar.save_to([&writer](const void* data, size_t size) { return writer.write(data, size); });
+  } catch (...) {
+    writer.check_written();  // the system error is the better message
+    throw;
+  }
+  writer.commit();
+}
+
+PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr<RoundPipe::Impl>& model) {
+  RoundPipe::Impl& m = *model;
+  m.drain_optimizer();
+  m.rethrow_step_error();
+  torch::serialize::InputArchive ar;
+  read_checkpoint_file(path, ar);
+  Reader r{path, ar};
+  c10::IValue format = r.get("format"), version = r.get("version");
+  if (!format.isString() || format.toStringRef() != kFormat) r.damaged("it has no roundpipe checkpoint format tag");
+  TORCH_CHECK_VALUE(version.isInt() && version.toInt() == kVersion, "load_checkpoint: '", path,
+                    "' has checkpoint version ", version, "; this roundpipe reads version ", kVersion);
+
+  PendingCheckpoint out;
+  out.path = path;
+  out.model = model;
+  const std::vector<int64_t> engine = r.ints("engine");
+  if (engine.size() != 5) r.damaged("entry 'engine' has the wrong length");
+  TORCH_CHECK_VALUE(engine[0] == m.num_layers(), "load_checkpoint: '", path, "' holds a model of ", engine[0],
+                    " layers; this model has ", m.num_layers(), " (another architecture)");
+  out.seed = static_cast<uint64_t>(engine[1]);
+  out.next_call_id = engine[2];
+  out.steps_issued = engine[3];
+  out.model_behind_optimizer = engine[4] != 0;
+  if (out.next_call_id < 0 || out.steps_issued < 0) r.damaged("negative engine counters");
+
+  std::vector<std::pair<std::string, at::Tensor>> masters, copies;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const std::string prefix = std::to_string(l) + ".";
+    for (auto& [name, t] : m.layers[l]->named_parameters()) masters.emplace_back(prefix + name, t);
+    for (auto& [name, t] : m.layers[l]->named_buffers()) masters.emplace_back(prefix + name, t);
+  }
+  for (const HostParam& p : m.store->params()) {
+    if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
+  }
+  out.copies = match(path, "parameter or buffer", masters, r.named("state"));
+  for (auto& c : match(path, "optimizer copy", copies, r.named("optim"))) out.copies.push_back(std::move(c));
+
+  const auto& params = m.store->params();
+  out.accum = gradients_by_id(path, "a pending gradient", r, "accum", params,
+                              [](const HostParam&) { return c10::optional<at::ScalarType>(at::kFloat); });
+  out.master_grad = gradients_by_id(path, "a parameter .grad", r, "grad", params, [](const HostParam& p) {
+    return c10::optional<at::ScalarType>(p.master.scalar_type());
+  });
+  out.optim_grad = gradients_by_id(path, "an optimizer copy .grad", r, "optim_grad", params, [](const HostParam& p) {
+    return p.optim.defined() ? c10::optional<at::ScalarType>(p.optim.scalar_type()) : c10::nullopt;
+  });
+
+  c10::IValue warmed = r.get("timer_warmed"), mean = r.get("timer_mean");
+  const std::vector<int64_t> count = r.ints("timer_count");
+  if (!warmed.isBoolList() || !mean.isDoubleList()) r.damaged("the timer entries have the wrong types");
+  const auto warmed_v = warmed.toBoolList();
+  const auto mean_v = mean.toDoubleVector();
+  if (warmed_v.size() != count.size() || mean_v.size() != count.size()) r.damaged("the timer entries differ in length");
+  for (size_t i = 0; i < count.size(); ++i) out.timer.push_back({warmed_v.get(i), count[i], mean_v[i]});
+  ModelTimer(m.num_layers()).load_state(out.timer);  // checks it: ValueError naming what is wrong
+
+  const std::vector<int64_t> user = r.ints("user");
+  if (user.size() != 4) r.damaged("entry 'user' has the wrong length");
+  out.step = user[0];
+  out.data_position.seed = static_cast<uint64_t>(user[1]);
+  out.data_position.epoch = user[2];
+  out.data_position.index = user[3];
+  c10::IValue metadata = r.get("metadata_json");
+  if (!metadata.isString()) r.damaged("entry 'metadata_json' is not a string");
+  out.metadata_json = metadata.toStringRef();
+
+  auto optimizer = std::make_unique<torch::serialize::InputArchive>();
+  bool has_optimizer = false;
+  try {
+    has_optimizer = ar.try_read("optimizer", *optimizer);
+  } catch (const std::exception& e) {
+    r.damaged(std::string("the optimizer state cannot be read: ") + message_of(e));
+  }
+  if (has_optimizer) out.optimizer = std::move(optimizer);
+  c10::IValue floats, ints;
+  if (ar.try_read("scaler_float", floats)) {
+    ints = r.get("scaler_int");
+    if (!floats.isGenericDict() || !ints.isGenericDict()) r.damaged("the scaler state has the wrong types");
+    auto scaler = c10::impl::toTypedDict<std::string, c10::IValue>(
+        c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
+    for (const auto& e : floats.toGenericDict()) {
+      if (!e.key().isString() || !e.value().isDouble()) r.damaged("the scaler state has the wrong types");
+      scaler.insert(e.key().toStringRef(), e.value());
+    }
+    for (const auto& e : ints.toGenericDict()) {
+      if (!e.key().isString() || !e.value().isInt()) r.damaged("the scaler state has the wrong types");
+      scaler.insert(e.key().toStringRef(), e.value());
+    }
+    out.scaler = std::move(scaler);
+  }
+  c10::IValue extra;
+  if (ar.try_read("extra", extra)) {
+    if (!extra.isTensor() || extra.toTensor().scalar_type() != at::kByte || extra.toTensor().dim() != 1) {
+      r.damaged("entry 'extra' is not a byte tensor");
+    }
+    const at::Tensor bytes = extra.toTensor().contiguous();
+    out.extra.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+    out.has_extra = true;
+  }
+  return out;
+}
+
+void PendingCheckpoint::apply() {
+  RoundPipe::Impl& m = *model;
+  m.drain_optimizer();  // nothing may run while the state is replaced
+  at::NoGradGuard no_grad;
+  for (auto& [dst, src] : copies) dst.detach().copy_(src);
+  auto& params = m.store->params();
+  for (size_t id = 0; id < params.size(); ++id) {
+    HostParam& p = params[id];
+    p.grad = accum[id];
+    if (master_grad[id].defined()) {
+      p.master.mutable_grad() = master_grad[id];
+    } else if (p.master.grad().defined()) {
+      p.master.mutable_grad().reset();
+    }
+    if (!p.optim.defined()) continue;
+    if (optim_grad[id].defined()) {
+      p.optim.mutable_grad() = optim_grad[id];
+    } else if (p.optim.grad().defined()) {
+      p.optim.mutable_grad().reset();
+    }
+  }
+  m.seed = seed;
+  m.next_call_id = next_call_id;
+  m.steps_issued = steps_issued;
+  m.model_behind_optimizer = model_behind_optimizer;
+  m.timer.load_state(timer);
+}
+
+}  // namespace detail
+
+void save_checkpoint(const std::string& path, RoundPipe& model, const CheckpointState& state) {
+  detail::save_checkpoint_with(path, *detail::CheckpointAccess::impl(model), state, nullptr);
+}
+
+void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState& state) {
+  detail::PendingCheckpoint pending = detail::read_checkpoint(path, detail::CheckpointAccess::impl(model));
+  TORCH_CHECK_VALUE(state.optimizer == nullptr || pending.optimizer != nullptr, "load_checkpoint: '", path,
+                    "' holds no optimizer state (it was saved without CheckpointState::optimizer)");
+  TORCH_CHECK_VALUE(state.scaler == nullptr || pending.scaler.has_value(), "load_checkpoint: '", path,
+                    "' holds no GradScaler state (it was saved without CheckpointState::scaler)");
+  // The optimizer and the scaler may still refuse their state: keep what
+  // they had, to put it back then.
+  std::string optimizer_before;
+  if (state.optimizer != nullptr) {
+    optimizer_before = detail::archive_bytes(*state.optimizer);
+    try {
+      state.optimizer->load(*pending.optimizer);
+    } catch (const std::exception& e) {
+      detail::load_archive_bytes(*state.optimizer, optimizer_before);
+      TORCH_CHECK_VALUE(false, "load_checkpoint: '", path, "': the saved optimizer state does not fit this optimizer (",
+                        detail::message_of(e), "); build it over model.optim_parameters() as when saving");
+    }
+  }
+  if (state.scaler != nullptr) {
+    const c10::Dict<std::string, c10::IValue> scaler_before = state.scaler->state_dict();
+    try {
+      state.scaler->load_state_dict(*pending.scaler);
+    } catch (const std::exception& e) {
+      if (!scaler_before.empty()) state.scaler->load_state_dict(scaler_before);
+      if (state.optimizer != nullptr) detail::load_archive_bytes(*state.optimizer, optimizer_before);
+      TORCH_CHECK_VALUE(false, "load_checkpoint: '", path, "': the saved GradScaler state does not fit this scaler (",
+                        detail::message_of(e), ")");
+    }
+  }
+  pending.apply();
+  state.step = pending.step;
+  state.data_position = pending.data_position;
+  state.metadata_json = pending.metadata_json;
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,71 @@
+// The checkpoint file: a frame around one libtorch archive (zip),
+//   "RPCKPT01" | archive | u64 archive bytes | u64 hash of the archive | "RPCKEND1"
+// (integers little-endian). The archive checks its own structure but not the
+// bytes of its tensors: the hash (64-bit, xxHash64-style) catches a damaged
+// byte anywhere, the trailer a truncation.
+#pragma once
+
+#include <torch/serialize/input-archive.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace roundpipe {
+namespace detail {
+
+// A 64-bit hash of a byte stream in the style of xxHash64 (not bit-compatible
+// with it); the result does not depend on how the stream is cut into
+// update() calls.
+class Hash64 {
+ public:
+  Hash64();
+  void update(const void* data, size_t size);
+  uint64_t digest() const;
+
+ private:
+  void block(const unsigned char* p);
+
+  uint64_t lanes_[4];
+  unsigned char pending_[32];
+  size_t num_pending_ = 0;
+  uint64_t total_ = 0;
+};
+
+// Streams a framed archive into a temporary file beside `path` (created
+// here); commit() flushes it, renames it over `path` and flushes the
+// directory. Destroyed uncommitted, it removes the temporary file. Passes
+// the crash-hook points (checkpoint_internal.h). Errors: c10::Error naming
+// the file and the system error.
+class CheckpointFileWriter {
+ public:
+  explicit CheckpointFileWriter(const std::string& path);
+  ~CheckpointFileWriter();
+  CheckpointFileWriter(const CheckpointFileWriter&) = delete;
+  CheckpointFileWriter& operator=(const CheckpointFileWriter&) = delete;
+
+  // Archive bytes. The archive writer calls this from C code, so a failure
+  // is reported by a short count; check_written() throws it afterwards.
+  size_t write(const void* data, size_t size);
+  void check_written() const;
+  // Writes the trailer and replaces `path`.
+  void commit();
+
+ private:
+  size_t write_raw(const void* data, size_t size);
+
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t bytes_ = 0;      // archive bytes written
+  uint64_t file_bytes_ = 0; // all bytes written
+  Hash64 hash_;             // of the archive bytes
+  std::string error_;
+};
+
+// Checks the frame and the hash of the file at `path`, then loads its
+// archive into `ar`. c10::ValueError naming the file for a missing,
+// truncated, damaged or foreign file.
+void read_checkpoint_file(const std::string& path, torch::serialize::InputArchive& ar);
+
+}  // namespace detail
+}  // namespace roundpipe

@@ -1,0 +1,61 @@
+// Checkpoints for Python (python/roundpipe/checkpoint.py): the engine's state
+// is saved and restored here; the Python optimizer's and scaler's state
+// travels as opaque bytes inside the same file. A model is found by one of
+// its tensors (an optimizer copy, else a parameter or buffer).
+#include "engine/checkpoint_internal.h"
+#include "python/python_common.h"
+
+namespace roundpipe {
+namespace python {
+namespace {
+
+std::shared_ptr<RoundPipe::Impl> model_of(const at::Tensor& anchor, const char* who) {
+  std::shared_ptr<RoundPipe::Impl> model = detail::model_holding(anchor);
+  TORCH_CHECK_VALUE(model != nullptr, who, ": the model is not a live RoundPipe model (was it closed?)");
+  return model;
+}
+
+}  // namespace
+
+void bind_checkpoint(py::module_& m) {
+  // Waits for the model's queued optimizer work (so its optimizer's state can
+  // be read) without publishing the newest step into the model's parameters.
+  m.def("checkpoint_drain", [](const at::Tensor& anchor) {
+    auto model = model_of(anchor, "save_checkpoint");
+    py::gil_scoped_release nogil;  // a step_fn may need the GIL
+    model->drain_optimizer();
+    model->rethrow_step_error();
+  });
+  m.def("save_checkpoint", [](const std::string& path, const at::Tensor& anchor, int64_t step,
+                              const std::string& metadata_json, const py::bytes& extra) {
+    auto model = model_of(anchor, "save_checkpoint");
+    const std::string blob = extra;
+    CheckpointState state;
+    state.step = step;
+    state.metadata_json = metadata_json;
+    py::gil_scoped_release nogil;
+    detail::save_checkpoint_with(path, *model, state, &blob);
+  });
+  py::class_<detail::PendingCheckpoint>(m, "PendingCheckpoint")
+      .def_property_readonly("step", [](const detail::PendingCheckpoint& p) { return p.step; })
+      .def_property_readonly("metadata_json", [](const detail::PendingCheckpoint& p) { return p.metadata_json; })
+      .def_property_readonly("extra",
+                             [](const detail::PendingCheckpoint& p) -> py::object {
+                               if (!p.has_extra) return py::none();
+                               return py::bytes(p.extra);
+                             })
+      .def("apply", [](detail::PendingCheckpoint& p) {
+        py::gil_scoped_release nogil;
+        p.apply();
+      });
+  // Reads and checks a checkpoint against the model; PendingCheckpoint.apply()
+  // then writes it into the model.
+  m.def("read_checkpoint", [](const std::string& path, const at::Tensor& anchor) {
+    auto model = model_of(anchor, "load_checkpoint");
+    py::gil_scoped_release nogil;
+    return detail::read_checkpoint(path, model);
+  });
+}
+
+}  // namespace python
+}  // namespace roundpipe
