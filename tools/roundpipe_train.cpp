@@ -20,6 +20,7 @@
 //
 // Exit status: 0 on success, 2 for bad input (a message says what to change),
 // 1 for anything else.
+#include <roundpipe/checkpoint.h>
 #include <roundpipe/grad_scaler.h>
 #include <roundpipe/lora.h>
 #include <roundpipe/model.h>
@@ -173,7 +174,7 @@ json memory_json(const std::vector<DeviceMemoryStats>& stats) {
   return out;
 }
 
-[[maybe_unused]] std::string checkpoint_path(const std::string& pattern, int64_t step) {
+std::string checkpoint_path(const std::string& pattern, int64_t step) {
   std::string out = pattern;
   const std::string key = "{step}";
   for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at)) {
@@ -263,9 +264,34 @@ int run(const TrainOptions& o) {
   TrainData data = make_train_data(dopt);
 
   // ---- Resume ----
+  // What a checkpoint records of this run, to check a resume against.
+  const json run_config = {{"format", "roundpipe-train-1"},
+                           {"model_type", cfg.model_type},
+                           {"config", source},
+                           {"dtype", o.dtype},
+                           {"seq_len", o.seq_len},
+                           {"batch_size", o.batch_size},
+                           {"steps", o.steps},
+                           {"lora_rank", o.lora_rank}};
   int64_t start_step = 0;
+  std::string resume_note;
   if (!o.resume.empty()) {
-    fail("--resume: checkpoints are not available in this build");
+    CheckpointState state;
+    state.optimizer = &optimizer;
+    state.scaler = sc;
+    load_checkpoint(o.resume, model, state);
+    start_step = state.step;
+    data.train->seek(state.data_position);
+    resume_note = "resumed from " + o.resume + " at step " + std::to_string(start_step);
+    const json saved = json::parse(state.metadata_json, nullptr, /*allow_exceptions=*/false);
+    if (saved.is_object()) {
+      for (const auto& item : run_config.items()) {
+        if (saved.contains(item.key()) && saved[item.key()] != item.value()) {
+          resume_note += "; note: the checkpoint's run had " + item.key() + " " +
+                         saved[item.key()].dump() + ", this one " + item.value().dump();
+        }
+      }
+    }
   }
   const int64_t last_step = o.stop_after > 0 ? o.stop_after : o.steps;
   if (start_step >= last_step) {
@@ -298,8 +324,9 @@ int run(const TrainOptions& o) {
               "decay %g, clip %s; optimizer one step behind%s\n",
               o.lr, o.min_lr, (long long)o.warmup_steps, o.beta1, o.beta2, o.weight_decay,
               clip_text, sc ? ", fp16 loss scaling" : "");
-  std::printf("  steps    %lld to %lld of %lld; eval every %lld\n", (long long)start_step + 1,
-              (long long)last_step, (long long)o.steps, (long long)o.eval_every);
+  std::printf("  steps    %lld to %lld of %lld; eval every %lld%s%s\n", (long long)start_step + 1,
+              (long long)last_step, (long long)o.steps, (long long)o.eval_every,
+              resume_note.empty() ? "" : "; ", resume_note.c_str());
   std::fflush(stdout);
 
   MetricsWriter metrics(o.metrics);
@@ -345,7 +372,16 @@ int run(const TrainOptions& o) {
     return loss;
   };
   auto save = [&](int64_t step) {
-    (void)step;
+    CheckpointState state;
+    state.optimizer = &optimizer;
+    state.scaler = sc;
+    state.step = step;
+    state.data_position = data.train->position();
+    state.metadata_json = run_config.dump();
+    const std::string path = checkpoint_path(o.checkpoint, step);
+    save_checkpoint(path, model, state);  // waits for the step in flight; the trajectory is unchanged
+    flush();
+    progress.message("checkpoint of step " + std::to_string(step) + " written to " + path);
   };
 
   std::deque<double> recent;  // seconds of the last steps, for tokens/s and ETA
@@ -418,12 +454,15 @@ int run(const TrainOptions& o) {
     if (o.eval_every > 0 && step % o.eval_every == 0 && step != last_step) run_eval(step);
     if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(step);
   }
+  // Saved before synchronize(), which publishes the last step into the
+  // masters: the checkpoint keeps the one-step delay, as mid-run ones do, so
+  // a resumed run continues exactly as this one would have.
+  if (!o.checkpoint.empty()) save(last_step);
   model.synchronize();
   flush();
   const double train_s = seconds_since(train_start);
   progress.finish();
   eval_loss = run_eval(last_step);
-  if (!o.checkpoint.empty()) save(last_step);
   flush();
   if (!o.trace.empty()) {
     stop_trace();
