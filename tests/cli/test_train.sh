@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CLI test of roundpipe-train (run by CTest): the loss falls on the embedded
-# default, bad flags fail cleanly with a message, and (when the build has
-# checkpoints) a resumed run repeats the uninterrupted run's losses exactly.
+# default, bad flags fail cleanly with a message, Hugging Face weights and
+# token files load, and a resumed run repeats the uninterrupted run's losses
+# exactly.
 #
 #   tests/cli/test_train.sh path/to/roundpipe-train
 set -uo pipefail
@@ -73,21 +74,60 @@ bad "bf16" --devices cpu:1 --dtype fp16 --steps 1
 printf 'abc' >"$tmp/odd.bin"
 bad "odd.bin" --data "$tmp/odd.bin" --steps 1
 
-# 3. Checkpoint and resume: steps 11..20 after resuming at 10 equal the
-# uninterrupted run's, bit for bit.
-if "$bin" --help | grep -q -- "--resume"; then
-  run=("${small[@]}" --steps 20 --save-every 10)
-  "$bin" "${run[@]}" --checkpoint "$tmp/a.ckpt" --metrics "$tmp/a.jsonl" >"$tmp/a.log" 2>&1 || { fail "run a"; cat "$tmp/a.log"; }
-  "$bin" "${run[@]}" --stop-after 10 --checkpoint "$tmp/b.ckpt" --metrics "$tmp/b.jsonl" >"$tmp/b.log" 2>&1 || { fail "run b"; cat "$tmp/b.log"; }
-  "$bin" "${run[@]}" --resume "$tmp/b.ckpt" --checkpoint "$tmp/c.ckpt" --metrics "$tmp/c.jsonl" >"$tmp/c.log" 2>&1 || { fail "run c"; cat "$tmp/c.log"; }
-  losses "$tmp/a.jsonl" >"$tmp/a.txt"
-  (losses "$tmp/b.jsonl"; losses "$tmp/c.jsonl") >"$tmp/bc.txt"
-  if [ "$(wc -l <"$tmp/a.txt")" -ne 20 ] || ! cmp -s "$tmp/a.txt" "$tmp/bc.txt"; then
-    fail "resumed losses differ from the uninterrupted run's:"; diff "$tmp/a.txt" "$tmp/bc.txt"
-  else
-    echo "resume at step 10: steps 11..20 equal the uninterrupted run's losses"
-  fi
+# 3. Hugging Face weights and token files: a safetensors file with the tiny
+# Llama's tensors (plus one the model does not use) and uint16 token files.
+python3 - "$tmp" <<'PY'
+import array, json, struct, sys
+d, i, v, kv = 128, 384, 256, 64
+shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+          "lm_head.weight": (v, d), "model.rotary_emb.inv_freq": (16,)}
+for l in range(4):
+    p = f"model.layers.{l}."
+    shapes.update({p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+                   p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+                   p + "mlp.gate_proj.weight": (i, d), p + "mlp.up_proj.weight": (i, d),
+                   p + "mlp.down_proj.weight": (d, i), p + "input_layernorm.weight": (d,),
+                   p + "post_attention_layernorm.weight": (d,)})
+header, blobs, off = {}, [], 0
+for name, shape in sorted(shapes.items()):
+    n = 1
+    for s in shape:
+        n *= s
+    vals = [1.0] * n if "norm" in name else [((k * 7919) % 1001 - 500) / 25000 for k in range(n)]
+    b = array.array("f", vals).tobytes()
+    header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [off, off + len(b)]}
+    off += len(b)
+    blobs.append(b)
+h = json.dumps(header).encode()
+h += b" " * (-len(h) % 8)
+open(sys.argv[1] + "/w.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+text = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
+array.array("H", list(text)).tofile(open(sys.argv[1] + "/train.bin", "wb"))
+array.array("H", list(text[:2000])).tofile(open(sys.argv[1] + "/val.bin", "wb"))
+PY
+if "$bin" "${small[@]}" --steps 10 --weights "$tmp/w.safetensors" --data "$tmp/train.bin" \
+    --eval-data "$tmp/val.bin" >"$tmp/w.log" 2>&1; then
+  grep -q "39 tensors from .*w.safetensors (1 unused)" "$tmp/w.log" || { fail "weights not reported as loaded"; cat "$tmp/w.log"; }
+  grep -q "eval: .* from .*val.bin" "$tmp/w.log" || { fail "--eval-data not used"; cat "$tmp/w.log"; }
+else
+  fail "training from --weights/--data exited non-zero"; cat "$tmp/w.log"
 fi
+bad "q_norm" --preset qwen3 --weights "$tmp/w.safetensors" --steps 1
+
+# 4. Checkpoint and resume: steps 11..20 after resuming at 10 equal the
+# uninterrupted run's, bit for bit.
+run=("${small[@]}" --steps 20 --save-every 10)
+"$bin" "${run[@]}" --checkpoint "$tmp/a.ckpt" --metrics "$tmp/a.jsonl" >"$tmp/a.log" 2>&1 || { fail "run a"; cat "$tmp/a.log"; }
+"$bin" "${run[@]}" --stop-after 10 --checkpoint "$tmp/b.ckpt" --metrics "$tmp/b.jsonl" >"$tmp/b.log" 2>&1 || { fail "run b"; cat "$tmp/b.log"; }
+"$bin" "${run[@]}" --resume "$tmp/b.ckpt" --checkpoint "$tmp/c.ckpt" --metrics "$tmp/c.jsonl" >"$tmp/c.log" 2>&1 || { fail "run c"; cat "$tmp/c.log"; }
+losses "$tmp/a.jsonl" >"$tmp/a.txt"
+(losses "$tmp/b.jsonl"; losses "$tmp/c.jsonl") >"$tmp/bc.txt"
+if [ "$(wc -l <"$tmp/a.txt")" -ne 20 ] || ! cmp -s "$tmp/a.txt" "$tmp/bc.txt"; then
+  fail "resumed losses differ from the uninterrupted run's:"; diff "$tmp/a.txt" "$tmp/bc.txt"
+else
+  echo "resume at step 10: steps 11..20 equal the uninterrupted run's losses"
+fi
+grep -q "resumed from .*b.ckpt at step 10" "$tmp/c.log" || { fail "no resume note"; cat "$tmp/c.log"; }
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures failure(s)"

@@ -32,7 +32,7 @@ struct TrainOptions {
   int64_t eval_batches = 4;      // batches per evaluation (0: all)
   uint64_t data_seed = 0;
   // Schedule.
-  int64_t steps = 300;
+  int64_t steps = 250;
   int64_t stop_after = 0;        // end this run after this step (0: at --steps)
   int64_t batch_size = 16;
   int64_t microbatches = 0;      // 0: devices + 1
