@@ -197,7 +197,8 @@ int run(const TrainOptions& o) {
   std::string source;
   const DecoderConfig cfg = model_config(o, &source);
   if (o.seq_len > cfg.max_position_embeddings) {
-    fail("--seq-len " + std::to_string(o.seq_len) + " exceeds the model's max_position_embeddings (" +
+    fail("--seq-len " + std::to_string(o.seq_len) +
+         " exceeds the model's max_position_embeddings (" +
          std::to_string(cfg.max_position_embeddings) + ")");
   }
   const at::ScalarType dtype = model_dtype(o.dtype);
@@ -205,15 +206,18 @@ int run(const TrainOptions& o) {
   if (dtype == at::kHalf) {
     for (const std::string& d : devices) {
       if (d.rfind("cpu", 0) == 0) {
-        fail("--dtype fp16 needs accelerator devices (CPU kernels lack fp16); use --dtype bf16 "
-             "on CPU devices");
+        fail(
+            "--dtype fp16 needs accelerator devices (CPU kernels lack fp16); use --dtype bf16 "
+            "on CPU devices");
       }
     }
   }
-  const int64_t microbatches = o.microbatches > 0 ? o.microbatches : static_cast<int64_t>(devices.size()) + 1;
+  const int64_t microbatches =
+      o.microbatches > 0 ? o.microbatches : static_cast<int64_t>(devices.size()) + 1;
   if (microbatches > o.batch_size) {
     fail("--batch-size " + std::to_string(o.batch_size) + " is smaller than the " +
-         std::to_string(microbatches) + " microbatches (devices + 1): raise --batch-size or set --microbatches");
+         std::to_string(microbatches) +
+         " microbatches (devices + 1): raise --batch-size or set --microbatches");
   }
 
   torch::manual_seed(o.seed);
@@ -233,8 +237,8 @@ int run(const TrainOptions& o) {
     lora.target_modules = split_list(o.lora_targets);
     const int64_t adapted = apply_lora(net, lora);  // freezes everything else
     weights_note += "; LoRA rank " + std::to_string(o.lora_rank) + ", alpha " +
-                    c10::str(o.lora_alpha) + " on " + o.lora_targets + " (" + std::to_string(adapted) +
-                    " projections)";
+                    c10::str(o.lora_alpha) + " on " + o.lora_targets + " (" +
+                    std::to_string(adapted) + " projections)";
   }
 
   RoundPipeOptions mo;
@@ -305,11 +309,12 @@ int run(const TrainOptions& o) {
   // ---- Start-up log ----
   const int64_t total_params = count_elements(net->parameters());
   const int64_t trained_params = count_elements(optim_params);
-  std::printf("roundpipe-train: %s, %lld layers, hidden %lld, %lld heads (%lld kv), vocab %lld: "
-              "%.2fM parameters (%.2fM trained), %s, %s\n",
-              cfg.model_type.c_str(), (long long)cfg.num_hidden_layers, (long long)cfg.hidden_size,
-              (long long)cfg.num_attention_heads, (long long)cfg.kv_heads(), (long long)cfg.vocab_size,
-              total_params / 1e6, trained_params / 1e6, o.dtype.c_str(), source.c_str());
+  std::printf(
+      "roundpipe-train: %s, %lld layers, hidden %lld, %lld heads (%lld kv), vocab %lld: "
+      "%.2fM parameters (%.2fM trained), %s, %s\n",
+      cfg.model_type.c_str(), (long long)cfg.num_hidden_layers, (long long)cfg.hidden_size,
+      (long long)cfg.num_attention_heads, (long long)cfg.kv_heads(), (long long)cfg.vocab_size,
+      total_params / 1e6, trained_params / 1e6, o.dtype.c_str(), source.c_str());
   std::printf("  weights  %s\n", weights_note.c_str());
   std::printf("  data     %s\n", data.description.c_str());
   std::printf("  devices  %s; batch %lld x %lld tokens in %lld microbatches (%lld tokens/step)\n",
@@ -320,10 +325,11 @@ int run(const TrainOptions& o) {
               (long long)model.num_layers());
   char clip_text[32] = "off";
   if (o.clip_grad_norm > 0) std::snprintf(clip_text, sizeof clip_text, "%g", o.clip_grad_norm);
-  std::printf("  optim    AdamW lr %g -> %g (%lld warm-up steps, cosine), betas (%g, %g), weight "
-              "decay %g, clip %s; optimizer one step behind%s\n",
-              o.lr, o.min_lr, (long long)o.warmup_steps, o.beta1, o.beta2, o.weight_decay,
-              clip_text, sc ? ", fp16 loss scaling" : "");
+  std::printf(
+      "  optim    AdamW lr %g -> %g (%lld warm-up steps, cosine), betas (%g, %g), weight "
+      "decay %g, clip %s; optimizer one step behind%s\n",
+      o.lr, o.min_lr, (long long)o.warmup_steps, o.beta1, o.beta2, o.weight_decay, clip_text,
+      sc ? ", fp16 loss scaling" : "");
   std::printf("  steps    %lld to %lld of %lld; eval every %lld%s%s\n", (long long)start_step + 1,
               (long long)last_step, (long long)o.steps, (long long)o.eval_every,
               resume_note.empty() ? "" : "; ", resume_note.c_str());
@@ -366,7 +372,9 @@ int run(const TrainOptions& o) {
     char buf[96];
     std::snprintf(buf, sizeof buf, "eval at step %lld: loss %.4f", (long long)step, loss);
     progress.message(buf);
-    pending.push_back({0, json{{"type", "eval"}, {"step", step}, {"eval_loss", finite_or_null(loss)},
+    pending.push_back({0, json{{"type", "eval"},
+                               {"step", step},
+                               {"eval_loss", finite_or_null(loss)},
                                {"elapsed_s", seconds_since(start)}}});
     flush();
     return loss;
@@ -379,7 +387,8 @@ int run(const TrainOptions& o) {
     state.data_position = data.train->position();
     state.metadata_json = run_config.dump();
     const std::string path = checkpoint_path(o.checkpoint, step);
-    save_checkpoint(path, model, state);  // waits for the step in flight; the trajectory is unchanged
+    save_checkpoint(path, model,
+                    state);  // waits for the step in flight; the trajectory is unchanged
     flush();
     progress.message("checkpoint of step " + std::to_string(step) + " written to " + path);
   };
@@ -394,14 +403,16 @@ int run(const TrainOptions& o) {
   for (int64_t step = start_step + 1; step <= last_step; ++step) {
     const auto t0 = Clock::now();
     TokenBatch b = data.train->next_batch(o.batch_size);
-    at::Tensor summed = model.forward_backward({b.input_ids}, make_kwargs({{"labels", b.labels}}),
-                                               b.labels, loss_fn)
-                            .toTensor();
+    at::Tensor summed =
+        model
+            .forward_backward({b.input_ids}, make_kwargs({{"labels", b.labels}}), b.labels, loss_fn)
+            .toTensor();
     const double loss = summed.item<double>() / (sc ? sc->get_scale() : 1.0);
     const std::vector<DeviceMemoryStats> mem = device_memory_stats();
     reset_peak_device_memory();
     for (size_t i = 0; i < mem.size() && i < peak.size(); ++i) {
-      peak[i].max_allocated_bytes = std::max(peak[i].max_allocated_bytes, mem[i].max_allocated_bytes);
+      peak[i].max_allocated_bytes =
+          std::max(peak[i].max_allocated_bytes, mem[i].max_allocated_bytes);
     }
 
     const double lr = schedule.at(step);
@@ -473,15 +484,18 @@ int run(const TrainOptions& o) {
   for (double l : last_losses) tail += l;
   tail /= std::max<size_t>(last_losses.size(), 1);
   const int64_t steps_run = last_step - start_step;
-  std::printf("done: %lld steps in %s (%s tokens/s); loss %.4f at step %lld -> %.4f (mean of last "
-              "%zu: %.4f)",
-              (long long)steps_run, human_duration(train_s).c_str(),
-              human_count(steps_run * tokens_per_step / train_s).c_str(), first_loss,
-              (long long)start_step + 1, last_loss, last_losses.size(), tail);
+  std::printf(
+      "done: %lld steps in %s (%s tokens/s); loss %.4f at step %lld -> %.4f (mean of last "
+      "%zu: %.4f)",
+      (long long)steps_run, human_duration(train_s).c_str(),
+      human_count(steps_run * tokens_per_step / train_s).c_str(), first_loss,
+      (long long)start_step + 1, last_loss, last_losses.size(), tail);
   if (std::isfinite(eval_loss)) std::printf("; eval loss %.4f", eval_loss);
   std::printf("\n  peak memory");
-  for (const auto& d : peak) std::printf("  %s %s", d.device.c_str(), human_bytes(d.max_allocated_bytes).c_str());
-  std::printf("\n  final plan %s\n", model.default_execute_plan(RunKind::kFused).to_string().c_str());
+  for (const auto& d : peak)
+    std::printf("  %s %s", d.device.c_str(), human_bytes(d.max_allocated_bytes).c_str());
+  std::printf("\n  final plan %s\n",
+              model.default_execute_plan(RunKind::kFused).to_string().c_str());
   return 0;
 }
 

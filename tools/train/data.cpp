@@ -12,7 +12,8 @@ TokenFile open_tokens(const std::string& path, const DataOptions& o) {
   if (path.empty()) {
     TORCH_CHECK_VALUE(o.vocab_size == 0 || o.vocab_size >= kByteVocabSize,
                       "the embedded corpus is byte-tokenized (256 token ids) but the model's "
-                      "vocabulary has ", o.vocab_size, ": give --data with the model's tokens");
+                      "vocabulary has ",
+                      o.vocab_size, ": give --data with the model's tokens");
     return default_token_file();
   }
   TokenFileOptions fo;
@@ -55,13 +56,14 @@ TrainData make_train_data(const DataOptions& o) {
   }
   int64_t eval_windows = 0;
   for (const TokenBatch& b : d.eval) eval_windows += b.input_ids.size(0);
-  d.description = file.path() + ": " + std::to_string(file.size()) + " tokens, " +
-                  std::to_string(d.train->train_windows()) + " training sequences of " +
-                  std::to_string(o.seq_len) + " (shuffle seed " + std::to_string(o.seed) + "); eval: " +
-                  (eval_windows == 0 ? std::string("none")
-                                     : std::to_string(eval_windows) + " sequences from " +
-                                           (o.eval_path.empty() ? std::string("the held-out tail")
-                                                                : o.eval_path));
+  d.description =
+      file.path() + ": " + std::to_string(file.size()) + " tokens, " +
+      std::to_string(d.train->train_windows()) + " training sequences of " +
+      std::to_string(o.seq_len) + " (shuffle seed " + std::to_string(o.seed) + "); eval: " +
+      (eval_windows == 0
+           ? std::string("none")
+           : std::to_string(eval_windows) + " sequences from " +
+                 (o.eval_path.empty() ? std::string("the held-out tail") : o.eval_path));
   return d;
 }
 

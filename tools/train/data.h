@@ -14,11 +14,11 @@ namespace roundpipe {
 namespace train {
 
 struct DataOptions {
-  std::string path;         // empty: the embedded corpus
-  std::string dtype;        // "uint16" / "uint32"; empty: TokenFileOptions' default
-  std::string eval_path;    // empty: hold out eval_fraction of the training data
+  std::string path;       // empty: the embedded corpus
+  std::string dtype;      // "uint16" / "uint32"; empty: TokenFileOptions' default
+  std::string eval_path;  // empty: hold out eval_fraction of the training data
   double eval_fraction = 0.05;
-  int64_t vocab_size = 0;   // the model's; every token must be below it
+  int64_t vocab_size = 0;  // the model's; every token must be below it
   int64_t seq_len = 0;
   uint64_t seed = 0;
   int64_t eval_batch_size = 1;

@@ -9,20 +9,28 @@ namespace train {
 
 std::string human_count(double x) {
   char buf[32];
-  if (x >= 1e9) std::snprintf(buf, sizeof buf, "%.2fG", x / 1e9);
-  else if (x >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", x / 1e6);
-  else if (x >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", x / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.0f", x);
+  if (x >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2fG", x / 1e9);
+  else if (x >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.2fM", x / 1e6);
+  else if (x >= 1e3)
+    std::snprintf(buf, sizeof buf, "%.1fk", x / 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%.0f", x);
   return buf;
 }
 
 std::string human_bytes(int64_t bytes) {
   char buf[32];
   const double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2fG", b / (1024.0 * 1024 * 1024));
-  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1fM", b / (1024.0 * 1024));
-  else if (b >= 1024.0) std::snprintf(buf, sizeof buf, "%.0fK", b / 1024.0);
-  else std::snprintf(buf, sizeof buf, "%lldB", static_cast<long long>(bytes));
+  if (b >= 1024.0 * 1024 * 1024)
+    std::snprintf(buf, sizeof buf, "%.2fG", b / (1024.0 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024)
+    std::snprintf(buf, sizeof buf, "%.1fM", b / (1024.0 * 1024));
+  else if (b >= 1024.0)
+    std::snprintf(buf, sizeof buf, "%.0fK", b / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lldB", static_cast<long long>(bytes));
   return buf;
 }
 
@@ -30,14 +38,20 @@ std::string human_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   const long long s = std::llround(seconds);
   char buf[32];
-  if (s < 60) std::snprintf(buf, sizeof buf, "%llds", s);
-  else if (s < 3600) std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
-  else std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, (s % 3600) / 60);
+  if (s < 60)
+    std::snprintf(buf, sizeof buf, "%llds", s);
+  else if (s < 3600)
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", s / 60, s % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", s / 3600, (s % 3600) / 60);
   return buf;
 }
 
 Progress::Progress(std::FILE* out, bool quiet, int64_t every)
-    : out_(out), quiet_(quiet), every_(every < 1 ? 1 : every), in_place_(isatty(fileno(out)) == 1) {}
+    : out_(out),
+      quiet_(quiet),
+      every_(every < 1 ? 1 : every),
+      in_place_(isatty(fileno(out)) == 1) {}
 
 Progress::~Progress() { finish(); }
 
@@ -51,7 +65,8 @@ void Progress::update(const ProgressLine& p) {
   std::string line = head;
   if (!p.peak_memory.empty()) {
     line += "  peak";
-    for (const auto& [device, bytes] : p.peak_memory) line += " " + device + " " + human_bytes(bytes);
+    for (const auto& [device, bytes] : p.peak_memory)
+      line += " " + device + " " + human_bytes(bytes);
   }
   if (in_place_) {
     // Pad over the previous line's tail; \r returns to the line's start.
