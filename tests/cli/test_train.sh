@@ -128,6 +128,14 @@ else
   echo "resume at step 10: steps 11..20 equal the uninterrupted run's losses"
 fi
 grep -q "resumed from .*b.ckpt at step 10" "$tmp/c.log" || { fail "no resume note"; cat "$tmp/c.log"; }
+# The same on one device (same microbatch count): the checkpoint is device-agnostic.
+"$bin" "${run[@]}" --devices cpu:1 --microbatches 3 --resume "$tmp/b.ckpt" --checkpoint "$tmp/d.ckpt" --metrics "$tmp/d.jsonl" >"$tmp/d.log" 2>&1 || { fail "run d"; cat "$tmp/d.log"; }
+(losses "$tmp/b.jsonl"; losses "$tmp/d.jsonl") >"$tmp/bd.txt"
+if ! cmp -s "$tmp/a.txt" "$tmp/bd.txt"; then
+  fail "losses resumed on cpu:1 differ from the uninterrupted cpu:2 run's:"; diff "$tmp/a.txt" "$tmp/bd.txt"
+else
+  echo "resume on cpu:1: steps 11..20 equal the cpu:2 run's losses"
+fi
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures failure(s)"

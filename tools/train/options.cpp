@@ -8,6 +8,8 @@ namespace roundpipe {
 namespace train {
 
 void add_options(CLI::App& app, TrainOptions& o) {
+  // A flag given twice takes its last value (so scripts can override defaults).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   const auto& positive = CLI::PositiveNumber;
   const auto non_negative = CLI::NonNegativeNumber;
 
