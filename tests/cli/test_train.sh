@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# CLI test of roundpipe-train (run by CTest): the loss falls on the embedded
+# default, bad flags fail cleanly with a message, Hugging Face weights and
+# token files load, and a resumed run repeats the uninterrupted run's losses
+# exactly.
+#
+#   tests/cli/test_train.sh path/to/roundpipe-train
+set -uo pipefail
+bin=${1:?usage: test_train.sh path/to/roundpipe-train}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+small=(--devices cpu:2 --batch-size 8 --seq-len 32 --warmup-steps 5 --lr 3e-3 --quiet)
+
+# Prints "step loss" for each training record of a metrics file.
+losses() {
+  python3 - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["type"] == "train":
+        print(r["step"], repr(r["loss"]))
+PY
+}
+
+# 1. Training on the embedded default lowers the loss.
+if "$bin" "${small[@]}" --steps 50 --eval-every 25 --metrics "$tmp/train.jsonl" >"$tmp/train.log" 2>&1; then
+  python3 - "$tmp/train.jsonl" <<'PY' || fail "loss did not fall (see above)"
+import json, math, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+train = [r for r in recs if r["type"] == "train"]
+evals = [r for r in recs if r["type"] == "eval"]
+assert [r["step"] for r in train] == list(range(1, 51)), "one record per step 1..50"
+for r in train:
+    for key in ("loss", "lr", "tokens_per_s", "grad_norm", "peak_memory_bytes", "elapsed_s"):
+        assert key in r, f"step {r['step']} lacks {key}"
+    assert set(r["peak_memory_bytes"]) == {"cpu:0", "cpu:1"}, r["peak_memory_bytes"]
+assert [r["step"] for r in evals] == [25, 50], f"eval records at {[r['step'] for r in evals]}"
+first = train[0]["loss"]
+last5 = sum(r["loss"] for r in train[-5:]) / 5
+print(f"loss {first:.4f} -> mean of last 5 {last5:.4f}")
+assert math.isfinite(last5) and last5 < 0.85 * first, f"{last5} is not 15% below {first}"
+assert evals[-1]["eval_loss"] < 0.9 * first
+PY
+else
+  fail "training run exited with $?"; cat "$tmp/train.log"
+fi
+grep -q "^done: 50 steps" "$tmp/train.log" || fail "no summary line in the output"
+
+# 2. Bad flags: non-zero exit (not a crash) and a message.
+bad() {
+  local expect=$1; shift
+  "$bin" "$@" >"$tmp/bad.out" 2>"$tmp/bad.err"
+  local rc=$?
+  if [ "$rc" -eq 0 ] || [ "$rc" -ge 128 ]; then
+    fail "'$*' exited with $rc"
+  elif ! grep -qi -- "$expect" "$tmp/bad.err"; then
+    fail "'$*': stderr lacks '$expect':"; cat "$tmp/bad.err"
+  fi
+}
+bad "not expected" --no-such-flag
+bad "steps" --steps 0
+bad "dtype" --dtype fp8
+bad "preset" --preset gpt2
+bad "data" --data "$tmp/missing.bin"
+bad "excludes" --preset qwen3 --config "$tmp/train.log"
+bad "microbatches" --batch-size 2 --microbatches 3
+bad "max_position_embeddings" --seq-len 4096
+bad "checkpoint" --save-every 5
+bad "min-lr" --lr 1e-4 --min-lr 1e-3
+bad "ROUNDPIPE_DEVICES" --devices cpu:zero --steps 1
+bad "bf16" --devices cpu:1 --dtype fp16 --steps 1
+printf 'abc' >"$tmp/odd.bin"
+bad "odd.bin" --data "$tmp/odd.bin" --steps 1
+
+# 3. Hugging Face weights and token files: a safetensors file with the tiny
+# Llama's tensors (plus one the model does not use) and uint16 token files.
+python3 - "$tmp" <<'PY'
+import array, json, struct, sys
+d, i, v, kv = 128, 384, 256, 64
+shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+          "lm_head.weight": (v, d), "model.rotary_emb.inv_freq": (16,)}
+for l in range(4):
+    p = f"model.layers.{l}."
+    shapes.update({p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+                   p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+                   p + "mlp.gate_proj.weight": (i, d), p + "mlp.up_proj.weight": (i, d),
+                   p + "mlp.down_proj.weight": (d, i), p + "input_layernorm.weight": (d,),
+                   p + "post_attention_layernorm.weight": (d,)})
+header, blobs, off = {}, [], 0
+for name, shape in sorted(shapes.items()):
+    n = 1
+    for s in shape:
+        n *= s
+    vals = [1.0] * n if "norm" in name else [((k * 7919) % 1001 - 500) / 25000 for k in range(n)]
+    b = array.array("f", vals).tobytes()
+    header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [off, off + len(b)]}
+    off += len(b)
+    blobs.append(b)
+h = json.dumps(header).encode()
+h += b" " * (-len(h) % 8)
+open(sys.argv[1] + "/w.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+text = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
+array.array("H", list(text)).tofile(open(sys.argv[1] + "/train.bin", "wb"))
+array.array("H", list(text[:2000])).tofile(open(sys.argv[1] + "/val.bin", "wb"))
+PY
+if "$bin" "${small[@]}" --steps 10 --weights "$tmp/w.safetensors" --data "$tmp/train.bin" \
+    --eval-data "$tmp/val.bin" >"$tmp/w.log" 2>&1; then
+  grep -q "39 tensors from .*w.safetensors (1 unused)" "$tmp/w.log" || { fail "weights not reported as loaded"; cat "$tmp/w.log"; }
+  grep -q "eval: .* from .*val.bin" "$tmp/w.log" || { fail "--eval-data not used"; cat "$tmp/w.log"; }
+else
+  fail "training from --weights/--data exited non-zero"; cat "$tmp/w.log"
+fi
+bad "q_norm" --preset qwen3 --weights "$tmp/w.safetensors" --steps 1
+
+# 4. Checkpoint and resume: steps 11..20 after resuming at 10 equal the
+# uninterrupted run's, bit for bit.
+run=("${small[@]}" --steps 20 --save-every 10)
+"$bin" "${run[@]}" --checkpoint "$tmp/a.ckpt" --metrics "$tmp/a.jsonl" >"$tmp/a.log" 2>&1 || { fail "run a"; cat "$tmp/a.log"; }
+"$bin" "${run[@]}" --stop-after 10 --checkpoint "$tmp/b.ckpt" --metrics "$tmp/b.jsonl" >"$tmp/b.log" 2>&1 || { fail "run b"; cat "$tmp/b.log"; }
+"$bin" "${run[@]}" --resume "$tmp/b.ckpt" --checkpoint "$tmp/c.ckpt" --metrics "$tmp/c.jsonl" >"$tmp/c.log" 2>&1 || { fail "run c"; cat "$tmp/c.log"; }
+losses "$tmp/a.jsonl" >"$tmp/a.txt"
+(losses "$tmp/b.jsonl"; losses "$tmp/c.jsonl") >"$tmp/bc.txt"
+if [ "$(wc -l <"$tmp/a.txt")" -ne 20 ] || ! cmp -s "$tmp/a.txt" "$tmp/bc.txt"; then
+  fail "resumed losses differ from the uninterrupted run's:"; diff "$tmp/a.txt" "$tmp/bc.txt"
+else
+  echo "resume at step 10: steps 11..20 equal the uninterrupted run's losses"
+fi
+grep -q "resumed from .*b.ckpt at step 10" "$tmp/c.log" || { fail "no resume note"; cat "$tmp/c.log"; }
+# The same on one device (same microbatch count): the checkpoint is device-agnostic.
+"$bin" "${run[@]}" --devices cpu:1 --microbatches 3 --resume "$tmp/b.ckpt" --checkpoint "$tmp/d.ckpt" --metrics "$tmp/d.jsonl" >"$tmp/d.log" 2>&1 || { fail "run d"; cat "$tmp/d.log"; }
+(losses "$tmp/b.jsonl"; losses "$tmp/d.jsonl") >"$tmp/bd.txt"
+if ! cmp -s "$tmp/a.txt" "$tmp/bd.txt"; then
+  fail "losses resumed on cpu:1 differ from the uninterrupted cpu:2 run's:"; diff "$tmp/a.txt" "$tmp/bd.txt"
+else
+  echo "resume on cpu:1: steps 11..20 equal the cpu:2 run's losses"
+fi
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all roundpipe-train CLI checks passed"

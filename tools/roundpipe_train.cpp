@@ -1,0 +1,539 @@
+// roundpipe-train: trains a Llama or Qwen3 decoder with RoundPipe, the main
+// job of the project. With no arguments it trains the tiny Llama preset on
+// the embedded corpus (byte-tokenized) and prints a progress line, periodic
+// evaluation losses and a summary. docs/train.md describes every flag.
+//
+//   roundpipe-train                                   # embedded default
+//   roundpipe-train --preset qwen3 --devices cpu:4 --dtype bf16 --steps 1000
+//   roundpipe-train --config cfg.json --weights model.safetensors --data train.bin
+//   roundpipe-train --checkpoint run.ckpt --save-every 100 ...; later --resume run.ckpt
+//
+// The training loop, top to bottom (run()):
+//   model: preset/config -> make_decoder -> weights -> dtype -> RoundPipe
+//   optimizer: roundpipe::optim::AdamW over the fp32 optimizer copies
+//   per step: next batch -> forward_backward (loss on the devices) ->
+//             step(step_fn) queued on the optimizer thread: lr of this step,
+//             [unscale], global norm + clipping, AdamW step, zero_grad.
+//   The optimizer runs one step behind (SPEC 4.3), so the gradient norm of
+//   step k is known when step k + 1 is issued: per-step records are written
+//   to --metrics once it is.
+//
+// Exit status: 0 on success, 2 for bad input (a message says what to change),
+// 1 for anything else.
+#include <roundpipe/checkpoint.h>
+#include <roundpipe/grad_scaler.h>
+#include <roundpipe/lora.h>
+#include <roundpipe/model.h>
+#include <roundpipe/optim/adam.h>
+#include <roundpipe/presets.h>
+#include <roundpipe/token_data.h>
+#include <roundpipe/trace.h>
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "train/data.h"
+#include "train/lr_schedule.h"
+#include "train/metrics.h"
+#include "train/options.h"
+#include "train/progress.h"
+#include "train/weights.h"
+
+using namespace roundpipe;
+using namespace roundpipe::train;
+using json = nlohmann::json;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+[[noreturn]] void fail(const std::string& what) { throw InputError(what); }
+
+at::ScalarType model_dtype(const std::string& name) {
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp16") return at::kHalf;
+  return at::kFloat;
+}
+
+DecoderConfig model_config(const TrainOptions& o, std::string* source) {
+  if (!o.config.empty()) {
+    *source = o.config;
+    return load_hf_config(o.config);
+  }
+  *source = "preset tiny_" + o.preset;
+  return o.preset == "qwen3" ? tiny_qwen3_config() : tiny_llama_config();
+}
+
+// Distinct tensors (tied weights once).
+int64_t count_elements(const std::vector<at::Tensor>& tensors) {
+  std::set<const void*> seen;
+  int64_t n = 0;
+  for (const at::Tensor& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) n += t.numel();
+  }
+  return n;
+}
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
+  return out;
+}
+
+// Gradient norms measured on the optimizer thread, read on the main thread.
+class NormLog {
+ public:
+  void put(int64_t step, double norm) {
+    std::lock_guard<std::mutex> lock(mu_);
+    norms_[step] = norm;
+  }
+  bool take(int64_t step, double* norm) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = norms_.find(step);
+    if (it == norms_.end()) return false;
+    *norm = it->second;
+    norms_.erase(it);
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, double> norms_;  // guarded by mu_
+};
+
+// The global L2 norm of the gradients of `params` (fp32 optimizer copies);
+// when max_norm > 0 and the norm exceeds it, scales them down to max_norm
+// (as torch.nn.utils.clip_grad_norm_). Runs on the optimizer thread.
+double clip_gradients(const std::vector<at::Tensor>& params, double max_norm) {
+  std::vector<at::Tensor> norms;
+  for (const at::Tensor& p : params) {
+    if (p.grad().defined()) norms.push_back(p.grad().norm(2).to(at::kDouble));
+  }
+  if (norms.empty()) return 0.0;
+  const double total = at::stack(norms).norm(2).item<double>();
+  if (max_norm > 0 && std::isfinite(total) && total > max_norm) {
+    const double factor = max_norm / (total + 1e-6);
+    for (const at::Tensor& p : params) {
+      if (p.grad().defined()) p.grad().mul_(factor);
+    }
+  }
+  return total;
+}
+
+// The largest count <= m that divides n (so evaluation microbatches are equal
+// and the merged mean loss is exact).
+int64_t even_split(int64_t n, int64_t m) {
+  for (int64_t k = std::min(n, m); k > 1; --k) {
+    if (n % k == 0) return k;
+  }
+  return 1;
+}
+
+// Mean loss over the evaluation batches, under no-grad forward, with the
+// parameters the devices see now (after the optimizer step before the last).
+double evaluate(RoundPipe& model, const std::vector<TokenBatch>& batches, int64_t microbatches) {
+  torch::NoGradGuard no_grad;
+  double sum = 0;
+  int64_t rows = 0;
+  for (const TokenBatch& b : batches) {
+    const int64_t n = b.input_ids.size(0);
+    RunConfig cfg = RunConfig().num_microbatch(even_split(n, microbatches));
+    at::Tensor loss =
+        model.forward({b.input_ids}, make_kwargs({{"labels", b.labels}}), cfg).toTensor();
+    sum += loss.item<double>() * n;
+    rows += n;
+  }
+  return rows > 0 ? sum / rows : std::nan("");
+}
+
+json memory_json(const std::vector<DeviceMemoryStats>& stats) {
+  json out = json::object();
+  for (const auto& d : stats) out[d.device] = d.max_allocated_bytes;
+  return out;
+}
+
+std::string checkpoint_path(const std::string& pattern, int64_t step) {
+  std::string out = pattern;
+  const std::string key = "{step}";
+  for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at)) {
+    out.replace(at, key.size(), std::to_string(step));
+  }
+  return out;
+}
+
+int run(const TrainOptions& o) {
+  const auto start = Clock::now();
+  // The pool is fixed at its first use: the spec must be in place before.
+  if (!o.devices.empty()) setenv("ROUNDPIPE_DEVICES", o.devices.c_str(), 1);
+  if (o.threads > 0) at::set_num_threads(static_cast<int>(o.threads));
+  // Keep freed blocks in the process: otherwise large tensors are faulted in
+  // afresh every iteration (DESIGN 5).
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, -1);
+
+  // ---- Model ----
+  std::string source;
+  const DecoderConfig cfg = model_config(o, &source);
+  if (o.seq_len > cfg.max_position_embeddings) {
+    fail("--seq-len " + std::to_string(o.seq_len) +
+         " exceeds the model's max_position_embeddings (" +
+         std::to_string(cfg.max_position_embeddings) + ")");
+  }
+  const at::ScalarType dtype = model_dtype(o.dtype);
+  const std::vector<std::string> devices = get_device_names();  // fixes the pool
+  if (dtype == at::kHalf) {
+    for (const std::string& d : devices) {
+      if (d.rfind("cpu", 0) == 0) {
+        fail(
+            "--dtype fp16 needs accelerator devices (CPU kernels lack fp16); use --dtype bf16 "
+            "on CPU devices");
+      }
+    }
+  }
+  const int64_t microbatches =
+      o.microbatches > 0 ? o.microbatches : static_cast<int64_t>(devices.size()) + 1;
+  if (microbatches > o.batch_size) {
+    fail("--batch-size " + std::to_string(o.batch_size) + " is smaller than the " +
+         std::to_string(microbatches) +
+         " microbatches (devices + 1): raise --batch-size or set --microbatches");
+  }
+
+  torch::manual_seed(o.seed);
+  torch::nn::Sequential net = make_decoder(cfg);
+  std::string weights_note = "random init (seed " + std::to_string(o.seed) + ")";
+  if (!o.weights.empty()) {
+    int64_t unused = 0;
+    const int64_t n = load_hf_weights(net, cfg, o.weights, &unused);
+    weights_note = std::to_string(n) + " tensors from " + o.weights +
+                   (unused ? " (" + std::to_string(unused) + " unused)" : std::string());
+  }
+  if (dtype != at::kFloat) net->to(dtype);
+  if (o.lora_rank > 0) {
+    LoraConfig lora;
+    lora.rank = o.lora_rank;
+    lora.alpha = o.lora_alpha;
+    lora.target_modules = split_list(o.lora_targets);
+    const int64_t adapted = apply_lora(net, lora);  // freezes everything else
+    weights_note += "; LoRA rank " + std::to_string(o.lora_rank) + ", alpha " +
+                    c10::str(o.lora_alpha) + " on " + o.lora_targets + " (" +
+                    std::to_string(adapted) + " projections)";
+  }
+
+  RoundPipeOptions mo;
+  mo.set_name("train").set_seed(o.seed).set_run_config(RunConfig().num_microbatch(microbatches));
+  if (dtype != at::kFloat) mo.set_optim_dtype(at::kFloat);
+  RoundPipe model(net, mo);
+
+  const std::vector<at::Tensor> optim_params = model.optim_parameters();
+  optim::AdamW optimizer(optim_params, optim::AdamWOptions(o.lr)
+                                           .betas(std::make_tuple(o.beta1, o.beta2))
+                                           .weight_decay(o.weight_decay));
+  std::unique_ptr<GradScaler> scaler;
+  if (dtype == at::kHalf) scaler = std::make_unique<GradScaler>();
+  GradScaler* const sc = scaler.get();
+
+  // ---- Data ----
+  DataOptions dopt;
+  dopt.path = o.data;
+  dopt.dtype = o.data_dtype;
+  dopt.eval_path = o.eval_data;
+  dopt.eval_fraction = o.eval_fraction;
+  dopt.vocab_size = cfg.vocab_size;
+  dopt.seq_len = o.seq_len;
+  dopt.seed = o.data_seed;
+  dopt.eval_batch_size = o.batch_size;
+  dopt.max_eval_batches = o.eval_batches;
+  TrainData data = make_train_data(dopt);
+
+  // ---- Resume ----
+  // What a checkpoint records of this run, to check a resume against.
+  const json run_config = {{"format", "roundpipe-train-1"},
+                           {"model_type", cfg.model_type},
+                           {"config", source},
+                           {"dtype", o.dtype},
+                           {"seq_len", o.seq_len},
+                           {"batch_size", o.batch_size},
+                           {"steps", o.steps},
+                           {"lora_rank", o.lora_rank}};
+  int64_t start_step = 0;
+  std::string resume_note;
+  if (!o.resume.empty()) {
+    CheckpointState state;
+    state.optimizer = &optimizer;
+    state.scaler = sc;
+    load_checkpoint(o.resume, model, state);
+    start_step = state.step;
+    data.train->seek(state.data_position);
+    resume_note = "resumed from " + o.resume + " at step " + std::to_string(start_step);
+    const json saved = json::parse(state.metadata_json, nullptr, /*allow_exceptions=*/false);
+    if (saved.is_object()) {
+      for (const auto& item : run_config.items()) {
+        if (saved.contains(item.key()) && saved[item.key()] != item.value()) {
+          resume_note += "; note: the checkpoint's run had " + item.key() + " " +
+                         saved[item.key()].dump() + ", this one " + item.value().dump();
+        }
+      }
+    }
+  }
+  const int64_t last_step = o.stop_after > 0 ? o.stop_after : o.steps;
+  if (start_step >= last_step) {
+    fail("the checkpoint is at step " + std::to_string(start_step) + ": nothing to do up to step " +
+         std::to_string(last_step) + " (raise --steps)");
+  }
+
+  LrSchedule schedule{o.lr, o.min_lr, o.warmup_steps, o.steps};
+  const int64_t tokens_per_step = o.batch_size * o.seq_len;
+
+  // ---- Start-up log ----
+  const int64_t total_params = count_elements(net->parameters());
+  const int64_t trained_params = count_elements(optim_params);
+  std::printf(
+      "roundpipe-train: %s, %lld layers, hidden %lld, %lld heads (%lld kv), vocab %lld: "
+      "%.2fM parameters (%.2fM trained), %s, %s\n",
+      cfg.model_type.c_str(), (long long)cfg.num_hidden_layers, (long long)cfg.hidden_size,
+      (long long)cfg.num_attention_heads, (long long)cfg.kv_heads(), (long long)cfg.vocab_size,
+      total_params / 1e6, trained_params / 1e6, o.dtype.c_str(), source.c_str());
+  std::printf("  weights  %s\n", weights_note.c_str());
+  std::printf("  data     %s\n", data.description.c_str());
+  std::printf("  devices  %s; batch %lld x %lld tokens in %lld microbatches (%lld tokens/step)\n",
+              join(devices, ", ").c_str(), (long long)o.batch_size, (long long)o.seq_len,
+              (long long)microbatches, (long long)tokens_per_step);
+  std::printf("  plan     %s (%lld layers; re-planned from measured times)\n",
+              model.default_execute_plan(RunKind::kFused).to_string().c_str(),
+              (long long)model.num_layers());
+  char clip_text[32] = "off";
+  if (o.clip_grad_norm > 0) std::snprintf(clip_text, sizeof clip_text, "%g", o.clip_grad_norm);
+  std::printf(
+      "  optim    AdamW lr %g -> %g (%lld warm-up steps, cosine), betas (%g, %g), weight "
+      "decay %g, clip %s; optimizer one step behind%s\n",
+      o.lr, o.min_lr, (long long)o.warmup_steps, o.beta1, o.beta2, o.weight_decay, clip_text,
+      sc ? ", fp16 loss scaling" : "");
+  std::printf("  steps    %lld to %lld of %lld; eval every %lld%s%s\n", (long long)start_step + 1,
+              (long long)last_step, (long long)o.steps, (long long)o.eval_every,
+              resume_note.empty() ? "" : "; ", resume_note.c_str());
+  std::fflush(stdout);
+
+  MetricsWriter metrics(o.metrics);
+  Progress progress(stdout, o.quiet, o.log_every);
+  if (!o.trace.empty()) start_trace(o.trace);
+
+  const double batch = static_cast<double>(o.batch_size);
+  // Each microbatch's mean loss weighted by its share of the batch: the sum
+  // over microbatches is the batch's mean token loss.
+  LossFn loss_fn = [sc, batch](const c10::IValue& out, const c10::IValue& label) -> c10::IValue {
+    at::Tensor loss = out.toTensor() * (static_cast<double>(label.toTensor().size(0)) / batch);
+    return sc ? c10::IValue(sc->scale(loss)) : c10::IValue(loss);
+  };
+
+  auto norms = std::make_shared<NormLog>();
+  // Records wait here, in order, until the gradient norm of their step is known.
+  struct Pending {
+    int64_t step;  // 0: an evaluation record, ready as is
+    json record;
+  };
+  std::deque<Pending> pending;
+  auto flush = [&] {
+    while (!pending.empty()) {
+      Pending& p = pending.front();
+      if (p.step > 0) {
+        double norm = 0;
+        if (!norms->take(p.step, &norm)) break;
+        p.record["grad_norm"] = finite_or_null(norm);
+      }
+      metrics.write(p.record);
+      pending.pop_front();
+    }
+  };
+  auto run_eval = [&](int64_t step) {
+    if (data.eval.empty()) return std::nan("");
+    const double loss = evaluate(model, data.eval, microbatches);
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "eval at step %lld: loss %.4f", (long long)step, loss);
+    progress.message(buf);
+    pending.push_back({0, json{{"type", "eval"},
+                               {"step", step},
+                               {"eval_loss", finite_or_null(loss)},
+                               {"elapsed_s", seconds_since(start)}}});
+    flush();
+    return loss;
+  };
+  auto save = [&](int64_t step) {
+    CheckpointState state;
+    state.optimizer = &optimizer;
+    state.scaler = sc;
+    state.step = step;
+    state.data_position = data.train->position();
+    state.metadata_json = run_config.dump();
+    const std::string path = checkpoint_path(o.checkpoint, step);
+    save_checkpoint(path, model,
+                    state);  // waits for the step in flight; the trajectory is unchanged
+    flush();
+    progress.message("checkpoint of step " + std::to_string(step) + " written to " + path);
+  };
+
+  std::deque<double> recent;  // seconds of the last steps, for tokens/s and ETA
+  double first_loss = std::nan(""), last_loss = std::nan("");
+  std::deque<double> last_losses;
+  double eval_loss = std::nan("");
+  const auto train_start = Clock::now();
+  reset_peak_device_memory();
+  std::vector<DeviceMemoryStats> peak = device_memory_stats();
+  for (int64_t step = start_step + 1; step <= last_step; ++step) {
+    const auto t0 = Clock::now();
+    TokenBatch b = data.train->next_batch(o.batch_size);
+    at::Tensor summed =
+        model
+            .forward_backward({b.input_ids}, make_kwargs({{"labels", b.labels}}), b.labels, loss_fn)
+            .toTensor();
+    const double loss = summed.item<double>() / (sc ? sc->get_scale() : 1.0);
+    const std::vector<DeviceMemoryStats> mem = device_memory_stats();
+    reset_peak_device_memory();
+    for (size_t i = 0; i < mem.size() && i < peak.size(); ++i) {
+      peak[i].max_allocated_bytes =
+          std::max(peak[i].max_allocated_bytes, mem[i].max_allocated_bytes);
+    }
+
+    const double lr = schedule.at(step);
+    const double clip = o.clip_grad_norm;
+    model.step([&optimizer, &optim_params, norms, sc, lr, clip, step] {
+      for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+      if (sc) sc->unscale_(optimizer);
+      norms->put(step, clip_gradients(optim_params, clip));
+      if (sc) {
+        sc->step(optimizer);
+      } else {
+        optimizer.step();
+      }
+      optimizer.zero_grad();
+    });
+    if (sc) sc->update();
+
+    const double secs = seconds_since(t0);
+    recent.push_back(secs);
+    if (recent.size() > 20) recent.pop_front();
+    double window = 0;
+    for (double s : recent) window += s;
+    const double step_s = window / recent.size();
+    if (step == start_step + 1) first_loss = loss;
+    last_loss = loss;
+    last_losses.push_back(loss);
+    if (last_losses.size() > 10) last_losses.pop_front();
+
+    pending.push_back({step, json{{"type", "train"},
+                                  {"step", step},
+                                  {"loss", finite_or_null(loss)},
+                                  {"lr", lr},
+                                  {"tokens_per_s", tokens_per_step / secs},
+                                  {"peak_memory_bytes", memory_json(mem)},
+                                  {"elapsed_s", seconds_since(start)}}});
+    flush();
+
+    ProgressLine line;
+    line.step = step;
+    line.total = last_step;
+    line.loss = loss;
+    line.tokens_per_s = tokens_per_step / step_s;
+    line.eta_s = step_s * (last_step - step);
+    for (const auto& d : mem) line.peak_memory.emplace_back(d.device, d.max_allocated_bytes);
+    progress.update(line);
+    if (!std::isfinite(loss)) {
+      progress.message("warning: the loss of step " + std::to_string(step) + " is not finite");
+    }
+
+    if (o.eval_every > 0 && step % o.eval_every == 0 && step != last_step) run_eval(step);
+    if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(step);
+  }
+  // Saved before synchronize(), which publishes the last step into the
+  // masters: the checkpoint keeps the one-step delay, as mid-run ones do, so
+  // a resumed run continues exactly as this one would have.
+  if (!o.checkpoint.empty()) save(last_step);
+  model.synchronize();
+  flush();
+  const double train_s = seconds_since(train_start);
+  progress.finish();
+  eval_loss = run_eval(last_step);
+  flush();
+  if (!o.trace.empty()) {
+    stop_trace();
+    std::printf("trace written to %s\n", o.trace.c_str());
+  }
+
+  double tail = 0;
+  for (double l : last_losses) tail += l;
+  tail /= std::max<size_t>(last_losses.size(), 1);
+  const int64_t steps_run = last_step - start_step;
+  std::printf(
+      "done: %lld steps in %s (%s tokens/s); loss %.4f at step %lld -> %.4f (mean of last "
+      "%zu: %.4f)",
+      (long long)steps_run, human_duration(train_s).c_str(),
+      human_count(steps_run * tokens_per_step / train_s).c_str(), first_loss,
+      (long long)start_step + 1, last_loss, last_losses.size(), tail);
+  if (std::isfinite(eval_loss)) std::printf("; eval loss %.4f", eval_loss);
+  std::printf("\n  peak memory");
+  for (const auto& d : peak)
+    std::printf("  %s %s", d.device.c_str(), human_bytes(d.max_allocated_bytes).c_str());
+  std::printf("\n  final plan %s\n",
+              model.default_execute_plan(RunKind::kFused).to_string().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "roundpipe-train: trains a Llama or Qwen3 decoder with RoundPipe (host-resident model, "
+      "round-robin device pool, asynchronous CPU optimizer). Without arguments: the tiny Llama "
+      "preset on the embedded corpus."};
+  TrainOptions options;
+  add_options(app, options);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return 2;
+  }
+  try {
+    validate(options);
+    return run(options);
+  } catch (const InputError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "roundpipe-train: %s\n", e.what());
+    return 2;
+  } catch (const c10::ValueError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "roundpipe-train: %s\n", e.what_without_backtrace());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "roundpipe-train: error: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "roundpipe-train: error: %s\n", e.what());
+    return 1;
+  }
+}

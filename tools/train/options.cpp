@@ -1,0 +1,160 @@
+#include "options.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace roundpipe {
+namespace train {
+
+void add_options(CLI::App& app, TrainOptions& o) {
+  // A flag given twice takes its last value (so scripts can override defaults).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  const auto& positive = CLI::PositiveNumber;
+  const auto non_negative = CLI::NonNegativeNumber;
+
+  auto* preset =
+      app.add_option("--preset", o.preset, "model preset: llama or qwen3 (tiny, byte vocabulary)")
+          ->check(CLI::IsMember({"llama", "qwen3"}))
+          ->capture_default_str();
+  app.add_option("--config", o.config, "Hugging Face config.json (instead of --preset)")
+      ->check(CLI::ExistingFile)
+      ->excludes(preset);
+  app.add_option("--weights", o.weights,
+                 "initial weights: safetensors file, sharded index (.json) or directory")
+      ->check(CLI::ExistingPath);
+  app.add_option("--seq-len", o.seq_len, "tokens per sequence")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--dtype", o.dtype,
+                 "model dtype: fp32, bf16 or fp16 (bf16/fp16 keep fp32 optimizer copies; fp16 "
+                 "uses loss scaling)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+
+  app.add_option("--data", o.data,
+                 "pre-tokenized training data (.bin of uint16/uint32 ids; default: the embedded "
+                 "corpus, byte-tokenized)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--data-dtype", o.data_dtype,
+                 "token type of --data/--eval-data: uint16 or uint32 (default: uint16 unless the "
+                 "vocabulary exceeds 65536)")
+      ->check(CLI::IsMember({"uint16", "uint32"}));
+  app.add_option("--eval-data", o.eval_data,
+                 "pre-tokenized evaluation data (default: hold out "
+                 "--eval-fraction of the training data)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--eval-fraction", o.eval_fraction,
+                 "fraction of the training data held out for evaluation without --eval-data")
+      ->check(CLI::Range(0.0, 0.5))
+      ->capture_default_str();
+  app.add_option("--eval-batches", o.eval_batches, "batches per evaluation (0: all held-out data)")
+      ->check(non_negative)
+      ->capture_default_str();
+  app.add_option("--data-seed", o.data_seed, "seed of the shuffled data order")
+      ->capture_default_str();
+
+  app.add_option("--steps", o.steps, "optimizer steps of the whole schedule")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--stop-after", o.stop_after,
+                 "end this run after this step (the schedule still spans --steps; resume later)")
+      ->check(non_negative);
+  app.add_option("--batch-size", o.batch_size, "sequences per step")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--microbatches", o.microbatches, "microbatches per step (default: devices + 1)")
+      ->check(non_negative);
+  app.add_option("--devices", o.devices,
+                 "device pool, as ROUNDPIPE_DEVICES: cpu:N, cuda, cuda:0,2 (default: the "
+                 "environment's, else all GPUs, else cpu:1)");
+  app.add_option("--threads", o.threads, "libtorch intra-op threads (default: libtorch's)")
+      ->check(non_negative);
+
+  app.add_option("--lr", o.lr, "peak learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--min-lr", o.min_lr, "learning rate at the end of the cosine decay")
+      ->check(non_negative)
+      ->capture_default_str();
+  app.add_option("--warmup-steps", o.warmup_steps,
+                 "linear warm-up steps before the cosine decay (default: min(20, steps / 5))")
+      ->check(non_negative);
+  app.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay")
+      ->check(non_negative)
+      ->capture_default_str();
+  app.add_option("--beta1", o.beta1, "AdamW beta1")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
+  app.add_option("--beta2", o.beta2, "AdamW beta2")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
+  app.add_option("--clip-grad-norm", o.clip_grad_norm,
+                 "clip the global gradient norm to this value (0: off)")
+      ->check(non_negative)
+      ->capture_default_str();
+
+  app.add_option("--eval-every", o.eval_every, "evaluate every N steps (0: only at the end)")
+      ->check(non_negative)
+      ->capture_default_str();
+  app.add_option("--save-every", o.save_every,
+                 "save a checkpoint every N steps (0: only at the end)")
+      ->check(non_negative);
+  app.add_option("--checkpoint", o.checkpoint,
+                 "checkpoint file to write (\"{step}\" in the name is replaced by the step)");
+  app.add_option("--resume", o.resume, "resume training from this checkpoint")
+      ->check(CLI::ExistingFile);
+  app.add_option("--lora-rank", o.lora_rank, "train LoRA adapters of this rank (0: full training)")
+      ->check(non_negative);
+  app.add_option("--lora-alpha", o.lora_alpha, "LoRA scaling numerator (scale = alpha / rank)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lora-targets", o.lora_targets, "comma-separated projections that get adapters")
+      ->capture_default_str();
+  app.add_option("--trace", o.trace, "write a Chrome trace (Perfetto) of the run to this file");
+  app.add_option("--metrics", o.metrics,
+                 "write one JSON object per step and evaluation (JSON Lines)");
+  app.add_option("--seed", o.seed, "seed of the model's initialization and random streams")
+      ->capture_default_str();
+  app.add_flag("--quiet,-q", o.quiet, "print only the start-up summary and the result");
+  app.add_option("--log-every", o.log_every,
+                 "progress line every N steps when stdout is not a terminal")
+      ->check(positive)
+      ->capture_default_str();
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+void validate(TrainOptions& o) {
+  auto fail = [](const std::string& what) { throw InputError(what); };
+  if (o.min_lr > o.lr)
+    fail("--min-lr (" + std::to_string(o.min_lr) + ") must not exceed --lr (" +
+         std::to_string(o.lr) + ")");
+  if (o.warmup_steps < 0) o.warmup_steps = std::min<int64_t>(20, o.steps / 5);
+  if (o.warmup_steps >= o.steps && o.steps > 1) {
+    fail("--warmup-steps (" + std::to_string(o.warmup_steps) + ") must be below --steps (" +
+         std::to_string(o.steps) + ")");
+  }
+  if (o.stop_after > o.steps) fail("--stop-after must not exceed --steps");
+  if (o.microbatches > o.batch_size) {
+    fail("--microbatches (" + std::to_string(o.microbatches) + ") must not exceed --batch-size (" +
+         std::to_string(o.batch_size) + "): each microbatch needs at least one sequence");
+  }
+  if (o.save_every > 0 && o.checkpoint.empty()) fail("--save-every needs --checkpoint PATH");
+  if (o.lora_rank > 0 && split_list(o.lora_targets).empty()) fail("--lora-targets lists no module");
+  if (!std::isfinite(o.lr) || !std::isfinite(o.min_lr) || !std::isfinite(o.weight_decay) ||
+      !std::isfinite(o.clip_grad_norm)) {
+    fail("learning rates, weight decay and the clipping norm must be finite");
+  }
+}
+
+}  // namespace train
+}  // namespace roundpipe
