@@ -151,7 +151,7 @@ def test_lora_trains_only_the_adapters():
     base = {n: p.detach().clone() for n, p in net.named_parameters() if ".lora_" not in n}
     lora = {n: p.detach().clone() for n, p in adapters.items()}
     model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=2))
-    assert len(model.optim_parameters()) == len(adapters)
+    assert len(list(model.optim_parameters())) == len(adapters)
     with OptimizerCtx():
         opt = AdamW(model.parameters(), lr=1e-2)
     labels = torch.roll(ids, -1, 1)
