@@ -412,6 +412,7 @@ class JobRunner {
       }
     }
     c10::IValue out;
+    dev_.before_layer();
     MarkPtr start = dev_.mark(Lane::kCompute);
     {
       LayerRunScope scope(&state);

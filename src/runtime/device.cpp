@@ -1,5 +1,7 @@
 #include "runtime/device.h"
 
+#include <thread>
+
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -47,16 +49,26 @@ void CpuDevice::inject_fault(Fault fault, int64_t nth) {
     case Fault::kUpload: fail_upload_in_.store(nth); break;
     case Fault::kDownload: fail_download_in_.store(nth); break;
     case Fault::kAllocation: counter_.fail_allocation(nth); break;
+    case Fault::kCompute: fail_compute_in_.store(nth); break;
   }
 }
 
 void CpuDevice::check_fault(Fault fault) {
-  std::atomic<int64_t>& in = fault == Fault::kUpload ? fail_upload_in_ : fail_download_in_;
+  std::atomic<int64_t>& in = fault == Fault::kUpload     ? fail_upload_in_
+                             : fault == Fault::kDownload ? fail_download_in_
+                                                         : fail_compute_in_;
   int64_t due = in.load();
   while (due > 0 && !in.compare_exchange_weak(due, due - 1)) {
   }
-  TORCH_CHECK(due != 1, "injected fault: ", fault == Fault::kUpload ? "upload" : "download", " failed on ",
-              name());
+  TORCH_CHECK(due != 1, "injected fault: ",
+              fault == Fault::kUpload ? "upload" : fault == Fault::kDownload ? "download" : "layer computation",
+              " failed on ", name());
+}
+
+void CpuDevice::before_layer() {
+  check_fault(Fault::kCompute);
+  const int64_t delay = layer_delay_us_.load();
+  if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
 }
 
 at::Tensor CpuDevice::upload(const at::Tensor& host, Lane lane, const FencePtr& after) {

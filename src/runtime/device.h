@@ -18,6 +18,7 @@
 #include <c10/core/Device.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -96,6 +97,9 @@ class Device {
   // A mark after the work submitted on `lane` so far. Also callable from the
   // autograd thread while this device's worker waits in a backward pass.
   virtual MarkPtr mark(Lane lane) = 0;
+  // Called on the worker before each layer computation (forward or
+  // recompute of one layer for one microbatch); fault injection hooks here.
+  virtual void before_layer() {}
 
  protected:
   // Set-up run on the worker thread before any task (thread-locals).
@@ -113,8 +117,10 @@ class Device {
   std::unique_ptr<WorkerThread> worker_;
 };
 
-// Deliberate failures of a CPU virtual device, for tests of error handling.
-enum class Fault { kUpload, kDownload, kAllocation };
+// Deliberate failures of a CPU virtual device, for tests of error handling:
+// a parameter or value upload, a download, an allocation, or a layer
+// computation (forward or recompute of one layer for one microbatch).
+enum class Fault { kUpload, kDownload, kAllocation, kCompute };
 
 // The CPU virtual device.
 class CpuDevice final : public Device {
@@ -129,6 +135,8 @@ class CpuDevice final : public Device {
   // Memory the device may use, like an accelerator's (0: unlimited).
   // Allocations beyond it fail with "out of memory".
   void set_memory_capacity(int64_t bytes) { counter_.set_capacity(bytes); }
+  // A slow device: every layer computation first sleeps this long (0: none).
+  void set_layer_delay(std::chrono::microseconds delay) { layer_delay_us_.store(delay.count()); }
 
   c10::Device torch_device() const override { return c10::Device(c10::DeviceType::CPU); }
   int64_t memory_allocated() const override { return counter_.current(); }
@@ -142,6 +150,7 @@ class CpuDevice final : public Device {
   void synchronize() override {}
   // Lanes are synchronous: a mark is the host clock now.
   MarkPtr mark(Lane lane) override { return std::make_shared<TimeMark>(host_now_ms()); }
+  void before_layer() override;
 
  protected:
   void run_task(const std::function<void()>& task) override;
@@ -152,6 +161,8 @@ class CpuDevice final : public Device {
   MemoryCounter counter_;
   std::atomic<int64_t> fail_upload_in_{0};
   std::atomic<int64_t> fail_download_in_{0};
+  std::atomic<int64_t> fail_compute_in_{0};
+  std::atomic<int64_t> layer_delay_us_{0};
 };
 
 // Creates the accelerator device `index` of type `type` (e.g. CUDA), pool

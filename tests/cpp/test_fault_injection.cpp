@@ -1,5 +1,5 @@
 // Failures injected into CPU virtual devices (uploads, downloads, allocations,
-// out of memory) at many points of a call: the error reaches the caller with
+// layer computations, out of memory) at many points of a call: the error reaches the caller with
 // its context, nothing is half-applied, and the model stays usable.
 #include <gtest/gtest.h>
 #include <roundpipe/roundpipe.h>
@@ -56,13 +56,16 @@ struct FaultCase {
 };
 
 std::string name_of(const FaultCase& c) {
-  const char* kind = c.fault == Fault::kUpload ? "upload" : c.fault == Fault::kDownload ? "download" : "allocation";
+  const char* kind = c.fault == Fault::kUpload     ? "upload"
+                     : c.fault == Fault::kDownload ? "download"
+                     : c.fault == Fault::kCompute  ? "compute"
+                                                   : "allocation";
   return std::string(kind) + "_dev" + std::to_string(c.device) + "_n" + std::to_string(c.nth);
 }
 
 std::vector<FaultCase> all_cases() {
   std::vector<FaultCase> out;
-  for (Fault f : {Fault::kUpload, Fault::kDownload, Fault::kAllocation}) {
+  for (Fault f : {Fault::kUpload, Fault::kDownload, Fault::kAllocation, Fault::kCompute}) {
     for (int64_t d : {0, 1}) {
       for (int64_t n : {1, 2, 3, 5, 8, 13, 21}) out.push_back({f, d, n});
     }
@@ -117,7 +120,7 @@ INSTANTIATE_TEST_SUITE_P(Points, InjectedFault, ::testing::ValuesIn(all_cases())
 
 TEST(InjectedFault, EveryKindFailsSomewhereInACall) {
   // Guards the sweep above against skipping everything.
-  for (Fault f : {Fault::kUpload, Fault::kDownload, Fault::kAllocation}) {
+  for (Fault f : {Fault::kUpload, Fault::kDownload, Fault::kAllocation, Fault::kCompute}) {
     RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2));
     cpu_device(0).inject_fault(f, 1);
     EXPECT_THROW(model.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(),
@@ -125,6 +128,47 @@ TEST(InjectedFault, EveryKindFailsSomewhereInACall) {
                  c10::Error);
     cpu_device(0).inject_fault(f, 0);
   }
+}
+
+// One slow device (every layer computation 3 ms late) changes timing, not
+// results: losses and gradients stay bitwise those of a normal twin, with
+// async steps in flight, and the model is destroyed with work queued.
+TEST(SlowDevice, ChangesTimingNotResults) {
+  torch::manual_seed(9);
+  torch::nn::Sequential net = make_mlp();
+  torch::nn::Sequential twin_net = copy_of(net);
+  cpu_device(1).set_layer_delay(std::chrono::milliseconds(3));
+  {
+    RoundPipe model(net, RoundPipeOptions().set_max_devices(2));
+    torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.05));
+    RoundPipe twin(twin_net, RoundPipeOptions().set_max_devices(2));
+    torch::optim::SGD twin_opt(twin.optim_parameters(), torch::optim::SGDOptions(0.05));
+    for (int step = 0; step < 4; ++step) {
+      at::Tensor x = torch::randn({6, 16}), y = torch::randn({6, 4});
+      at::Tensor a = model.forward_backward({x}, make_kwargs(), y, mse(), false, config()).toTensor();
+      at::Tensor b = twin.forward_backward({x}, make_kwargs(), y, mse(), false, config()).toTensor();
+      EXPECT_TRUE(a.equal(b)) << "loss of step " << step;
+      model.step([&] {
+        opt.step();
+        opt.zero_grad();
+      });
+      twin.step([&] {
+        twin_opt.step();
+        twin_opt.zero_grad();
+      });
+    }
+    model.synchronize();
+    twin.synchronize();
+    for (size_t i = 0; i < net->parameters().size(); ++i) {
+      EXPECT_TRUE(net->parameters()[i].equal(twin_net->parameters()[i])) << "parameter " << i;
+    }
+    model.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(), false,
+                           config());
+    model.step([&] { opt.step(); });
+    // `model` goes out of scope with a step in flight on a slow device.
+  }
+  cpu_device(1).set_layer_delay(std::chrono::microseconds(0));
+  SUCCEED();
 }
 
 TEST(OutOfMemory, ADeviceOverItsCapacityFailsClearlyAndRecovers) {
