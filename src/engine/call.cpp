@@ -615,20 +615,27 @@ class JobRunner {
 
 }  // namespace
 
-void run_job(const std::shared_ptr<Call>& call, size_t j, Device& device) {
+void run_job(std::shared_ptr<Call> call, size_t j, Device& device) {
   Call& c = *call;
-  JobRunner runner(c, j, device);
-  try {
-    if (!c.failed()) runner.run();
-  } catch (const Cancelled&) {
-  } catch (...) {
-    c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
+  {
+    JobRunner runner(c, j, device);
+    try {
+      if (!c.failed()) runner.run();
+    } catch (const Cancelled&) {
+    } catch (...) {
+      c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
+    }
+    try {
+      runner.release();
+    } catch (...) {
+      c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
+    }
   }
-  try {
-    runner.release();
-  } catch (...) {
-    c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
-  }
+  // The caller holds the call until every job is done, so it is destroyed
+  // there and not on this worker: the values it holds may be Python objects,
+  // and a worker must not need the interpreter after the call returned (it
+  // may be shutting down).
+  call.reset();
   c.job_done();
 }
 

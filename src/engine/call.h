@@ -144,7 +144,7 @@ struct Cancelled {};
 
 // Runs job `j` of `call` on `device` (a device worker task). Never throws:
 // errors are recorded in the call.
-void run_job(const std::shared_ptr<Call>& call, size_t j, Device& device);
+void run_job(std::shared_ptr<Call> call, size_t j, Device& device);
 
 // An exception that is not a c10::Error but takes the engine's context in
 // place, so it keeps its identity (a language binding's errors, e.g. a Python

@@ -182,7 +182,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     std::vector<std::function<void(Device&)>> tasks;
     for (size_t j = 0; j < call->jobs.size(); ++j) {
       devices.push_back(call->jobs[j].device);
-      tasks.push_back([call, j](Device& dev) { run_job(call, j, dev); });
+      tasks.push_back([call, j](Device& dev) mutable { run_job(std::move(call), j, dev); });
     }
     pool.submit_batch(devices, tasks);
     try {

@@ -40,6 +40,10 @@ PythonError PythonError::fetch() {
   return error;
 }
 
+PythonError::~PythonError() {
+  if (!interpreter_alive()) type = value = traceback = nullptr;
+}
+
 void PythonError::add_context(const std::string& context) {
   message += "\n" + context;
   if (value == nullptr) return;

@@ -40,6 +40,10 @@ class PythonError : public ::python_error, public ContextualError {
  public:
   // Takes the Python error currently set (GIL held).
   static PythonError fetch();
+  // Once the interpreter is shutting down, leaks the exception's objects:
+  // python_error's destructor would take the GIL, and a non-Python thread
+  // that asks for it then is ended on the spot.
+  ~PythonError() override;
   void add_context(const std::string& context) override;
 };
 
