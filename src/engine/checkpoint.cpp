@@ -247,6 +247,17 @@ std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
   return nullptr;
 }
 
+// Every layer's parameters and buffers, by model-wide name ("<layer>.<name>").
+std::vector<std::pair<std::string, at::Tensor>> named_masters(const RoundPipe::Impl& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const std::string prefix = std::to_string(l) + ".";
+    for (auto& [name, t] : m.layers[l]->named_parameters()) out.emplace_back(prefix + name, t);
+    for (auto& [name, t] : m.layers[l]->named_buffers()) out.emplace_back(prefix + name, t);
+  }
+  return out;
+}
+
 void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const CheckpointState& state,
                           const std::string* extra) {
   TORCH_CHECK_VALUE(!path.empty(), "save_checkpoint: the path is empty");
@@ -258,12 +269,8 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   torch::serialize::OutputArchive ar;
   ar.write("format", c10::IValue(std::string(kFormat)));
   ar.write("version", c10::IValue(kVersion));
-  std::vector<std::pair<std::string, at::Tensor>> masters, copies, accum, grads, optim_grads;
-  for (size_t l = 0; l < m.layers.size(); ++l) {
-    const std::string prefix = std::to_string(l) + ".";
-    for (auto& [name, t] : m.layers[l]->named_parameters()) masters.emplace_back(prefix + name, t);
-    for (auto& [name, t] : m.layers[l]->named_buffers()) masters.emplace_back(prefix + name, t);
-  }
+  std::vector<std::pair<std::string, at::Tensor>> masters = named_masters(m), copies, accum, grads,
+                                                   optim_grads;
   for (const HostParam& p : m.store->params()) {
     if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
     if (p.grad.defined()) accum.emplace_back(p.name, p.grad);
@@ -352,12 +359,7 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
   out.model_behind_optimizer = engine[4] != 0;
   if (out.next_call_id < 0 || out.steps_issued < 0) r.damaged("negative engine counters");
 
-  std::vector<std::pair<std::string, at::Tensor>> masters, copies;
-  for (size_t l = 0; l < m.layers.size(); ++l) {
-    const std::string prefix = std::to_string(l) + ".";
-    for (auto& [name, t] : m.layers[l]->named_parameters()) masters.emplace_back(prefix + name, t);
-    for (auto& [name, t] : m.layers[l]->named_buffers()) masters.emplace_back(prefix + name, t);
-  }
+  std::vector<std::pair<std::string, at::Tensor>> masters = named_masters(m), copies;
   for (const HostParam& p : m.store->params()) {
     if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
   }
