@@ -330,8 +330,12 @@ int run(const TrainOptions& o) {
       "decay %g, clip %s; optimizer one step behind%s\n",
       o.lr, o.min_lr, (long long)o.warmup_steps, o.beta1, o.beta2, o.weight_decay, clip_text,
       sc ? ", fp16 loss scaling" : "");
-  std::printf("  steps    %lld to %lld of %lld; eval every %lld%s%s\n", (long long)start_step + 1,
-              (long long)last_step, (long long)o.steps, (long long)o.eval_every,
+  const std::string eval_when =
+      data.eval.empty()  ? std::string("no evaluation data")
+      : o.eval_every > 0 ? "eval every " + std::to_string(o.eval_every) + " and at the end"
+                         : std::string("eval at the end");
+  std::printf("  steps    %lld to %lld of %lld; %s%s%s\n", (long long)start_step + 1,
+              (long long)last_step, (long long)o.steps, eval_when.c_str(),
               resume_note.empty() ? "" : "; ", resume_note.c_str());
   std::fflush(stdout);
 
