@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -56,12 +55,6 @@ void at_point(const char* point, uint64_t bytes) {
     hook = crash_hook();
   }
   if (hook) hook(point, bytes);
-}
-
-std::string directory_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
 }
 
 [[noreturn]] void damaged(const std::string& path, const std::string& what) {
@@ -124,38 +117,20 @@ uint64_t Hash64::digest() const {
   return h ^ (h >> 32);
 }
 
-CheckpointFileWriter::CheckpointFileWriter(const std::string& path) : path_(path) {
-  static std::atomic<uint64_t> counter{0};
-  tmp_ = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, "save_checkpoint: cannot create '", tmp_, "' (to write '", path_, "'): ", std::strerror(errno));
+CheckpointFileWriter::CheckpointFileWriter(const std::string& path) : file_(path, &at_point) {
   write_raw(kHead, sizeof(kHead));
-}
-
-CheckpointFileWriter::~CheckpointFileWriter() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(tmp_.c_str());
-  }
+  check_written();
 }
 
 size_t CheckpointFileWriter::write_raw(const void* data, size_t size) {
   if (!error_.empty()) return 0;
-  const char* p = static_cast<const char*>(data);
-  size_t left = size;
-  while (left > 0) {
-    const ssize_t n = ::write(fd_, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      error_ = n < 0 ? std::strerror(errno) : "no progress";
-      break;
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
+  try {
+    file_.write(data, size);
+  } catch (const c10::Error& e) {
+    error_ = e.what_without_backtrace();
+    return 0;
   }
-  file_bytes_ += size - left;
-  at_point("write", file_bytes_);
-  return size - left;
+  return size;
 }
 
 size_t CheckpointFileWriter::write(const void* data, size_t size) {
@@ -166,39 +141,19 @@ size_t CheckpointFileWriter::write(const void* data, size_t size) {
 }
 
 void CheckpointFileWriter::check_written() const {
-  TORCH_CHECK(error_.empty(), "save_checkpoint: cannot write '", tmp_, "' (to write '", path_, "'): ", error_);
+  TORCH_CHECK(error_.empty(), "save_checkpoint: ", error_);
 }
 
 void CheckpointFileWriter::commit() {
-  TORCH_CHECK(fd_ >= 0, "save_checkpoint: '", path_, "' was already committed");
+  TORCH_CHECK(!committed_, "save_checkpoint: the checkpoint was already committed");
   unsigned char trailer[kTrailer];
   store_le64(trailer, bytes_);
   store_le64(trailer + 8, hash_.digest());
   std::memcpy(trailer + 16, kTail, sizeof(kTail));
   write_raw(trailer, sizeof(trailer));
   check_written();
-  at_point("fsync", file_bytes_);
-  TORCH_CHECK(::fsync(fd_) == 0, "save_checkpoint: cannot flush '", tmp_, "' to disk: ", std::strerror(errno));
-  const int fd = fd_;
-  fd_ = -1;
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp_.c_str());
-    TORCH_CHECK(false, "save_checkpoint: cannot close '", tmp_, "': ", std::strerror(err));
-  }
-  at_point("rename", file_bytes_);
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp_.c_str());
-    TORCH_CHECK(false, "save_checkpoint: cannot rename '", tmp_, "' to '", path_, "': ", std::strerror(err));
-  }
-  at_point("renamed", file_bytes_);
-  // The rename is durable once the directory entry is.
-  const int dir = ::open(directory_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
+  committed_ = true;
+  file_.commit();
 }
 
 void read_checkpoint_file(const std::string& path, torch::serialize::InputArchive& ar) {

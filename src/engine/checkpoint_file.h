@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <string>
 
+#include "models/file_io.h"
+
 namespace roundpipe {
 namespace detail {
 
@@ -32,15 +34,14 @@ class Hash64 {
   uint64_t total_ = 0;
 };
 
-// Streams a framed archive into a temporary file beside `path` (created
-// here); commit() flushes it, renames it over `path` and flushes the
-// directory. Destroyed uncommitted, it removes the temporary file. Passes
-// the crash-hook points (checkpoint_internal.h). Errors: c10::Error naming
-// the file and the system error.
+// Streams a framed archive into `path` through an AtomicFileWriter (a
+// temporary file, flushed and renamed over `path` by commit(); removed when
+// destroyed uncommitted), which reports its steps to the crash hook
+// (checkpoint_internal.h). Errors: c10::Error naming the file and the
+// system error.
 class CheckpointFileWriter {
  public:
   explicit CheckpointFileWriter(const std::string& path);
-  ~CheckpointFileWriter();
   CheckpointFileWriter(const CheckpointFileWriter&) = delete;
   CheckpointFileWriter& operator=(const CheckpointFileWriter&) = delete;
 
@@ -54,11 +55,10 @@ class CheckpointFileWriter {
  private:
   size_t write_raw(const void* data, size_t size);
 
-  std::string path_, tmp_;
-  int fd_ = -1;
-  uint64_t bytes_ = 0;      // archive bytes written
-  uint64_t file_bytes_ = 0; // all bytes written
-  Hash64 hash_;             // of the archive bytes
+  AtomicFileWriter file_;
+  bool committed_ = false;
+  uint64_t bytes_ = 0;  // archive bytes written
+  Hash64 hash_;         // of the archive bytes
   std::string error_;
 };
 

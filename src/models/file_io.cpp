@@ -1,5 +1,7 @@
 #include "models/file_io.h"
 
+#include <utility>
+
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -63,7 +65,8 @@ FileMapping::~FileMapping() {
   if (data_ != nullptr) ::munmap(data_, static_cast<size_t>(size_));
 }
 
-AtomicFileWriter::AtomicFileWriter(const std::string& path) : path_(path) {
+AtomicFileWriter::AtomicFileWriter(const std::string& path, StepObserver observer)
+    : path_(path), observer_(std::move(observer)) {
   TORCH_CHECK(!path.empty(), "cannot write a file: the path is empty");
   tmp_ = unique_tmp_name(path);
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -89,11 +92,14 @@ void AtomicFileWriter::write(const void* data, size_t size) {
                 "'): ", n < 0 ? std::strerror(errno) : "no progress");
     p += n;
     size -= static_cast<size_t>(n);
+    bytes_ += static_cast<uint64_t>(n);
   }
+  observe("write");
 }
 
 void AtomicFileWriter::commit() {
   TORCH_CHECK(fd_ >= 0, "cannot write '", path_, "': the file was already committed");
+  observe("fsync");
   TORCH_CHECK(::fsync(fd_) == 0, "cannot flush '", tmp_, "' to disk: ", std::strerror(errno));
   const int fd = fd_;
   fd_ = -1;
@@ -102,11 +108,13 @@ void AtomicFileWriter::commit() {
     ::unlink(tmp_.c_str());
     TORCH_CHECK(false, "cannot close '", tmp_, "': ", std::strerror(err));
   }
+  observe("rename");
   if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp_.c_str());
     TORCH_CHECK(false, "cannot rename '", tmp_, "' to '", path_, "': ", std::strerror(err));
   }
+  observe("renamed");
   // The rename is durable once the directory entry is.
   const int dir = ::open(directory_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {

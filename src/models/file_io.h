@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace roundpipe {
@@ -39,7 +40,12 @@ class FileMapping {
 // unique per process and writer.
 class AtomicFileWriter {
  public:
-  explicit AtomicFileWriter(const std::string& path);
+  // Told each step with the bytes written so far: "write" after each
+  // write(), "fsync" before flushing, "rename" before renaming, "renamed"
+  // after. Crash tests make the process die there.
+  using StepObserver = std::function<void(const char* step, uint64_t bytes)>;
+
+  explicit AtomicFileWriter(const std::string& path, StepObserver observer = nullptr);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
@@ -48,9 +54,15 @@ class AtomicFileWriter {
   void commit();
 
  private:
+  void observe(const char* step) const {
+    if (observer_) observer_(step, bytes_);
+  }
+
   std::string path_;
   std::string tmp_;
   int fd_ = -1;
+  uint64_t bytes_ = 0;
+  StepObserver observer_;
 };
 
 }  // namespace roundpipe
