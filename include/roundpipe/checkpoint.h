@@ -37,6 +37,12 @@
 // leaves either the previous file or the new one at `path` (a crashed save
 // may leave a "<path>.tmp.<pid>.<n>" file behind).
 //
+// Data parallelism (distributed.h): the state is the same on every process,
+// so only rank 0 writes (other ranks return once their checks passed); call
+// save_checkpoint on every rank or on rank 0 only, after step() (gradients
+// not yet combined are refused). Every process loads the same file (e.g. on a
+// shared filesystem); a checkpoint resumes on any number of processes.
+//
 // Thread-compatible: call on the model's user thread, between calls.
 #pragma once
 

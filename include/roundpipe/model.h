@@ -19,6 +19,7 @@
 
 #include <roundpipe/auto_plan.h>
 #include <roundpipe/devices.h>
+#include <roundpipe/distributed.h>
 #include <roundpipe/layer.h>
 #include <roundpipe/microbatch.h>
 #include <roundpipe/optimizer.h>
@@ -54,12 +55,21 @@ struct RoundPipeOptions {
   // depend on (seed, call, layer, microbatch) only. Default: drawn from the
   // global generator at construction, so torch::manual_seed() fixes it.
   c10::optional<uint64_t> seed;
+  // Data parallelism (distributed.h): train together with the other
+  // processes of this group, each on its share of the batch. Construction
+  // then copies rank 0's parameters, buffers and seed to this process.
+  // Default: none (this process trains alone).
+  std::shared_ptr<ProcessGroup> process_group;
+  // How step() combines the processes' gradients (with a process_group).
+  GradientReduction gradient_reduction = GradientReduction::kSum;
 
   RoundPipeOptions& set_name(std::string v) { name = std::move(v); return *this; }
   RoundPipeOptions& set_run_config(RunConfig v) { run_config = std::move(v); return *this; }
   RoundPipeOptions& set_max_devices(int64_t v) { max_devices = v; return *this; }
   RoundPipeOptions& set_seed(uint64_t v) { seed = v; return *this; }
   RoundPipeOptions& set_optim_dtype(at::ScalarType v) { optim_dtype = v; return *this; }
+  RoundPipeOptions& set_process_group(std::shared_ptr<ProcessGroup> v) { process_group = std::move(v); return *this; }
+  RoundPipeOptions& set_gradient_reduction(GradientReduction v) { gradient_reduction = v; return *this; }
 };
 
 class RoundPipe {

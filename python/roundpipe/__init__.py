@@ -17,7 +17,7 @@ if _os.environ.get("ROUNDPIPE_EXTENSION_DIR"):
 import torch as _torch  # loads libtorch and its Python bindings before the engine
 
 from . import _C
-from . import data, microbatch, optim, presets, safetensors, timer, trace
+from . import data, distributed, microbatch, optim, presets, safetensors, timer, trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
 from .grad_scaler import GradScaler  # noqa: F401
@@ -46,5 +46,5 @@ __all__ = [
     "RoundPipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
     "save_for_recompute", "doing_recompute", "get_recompute_data", "get_num_devices",
     "set_sync_warmup_steps", "save_checkpoint", "load_checkpoint",
-    "data", "microbatch", "optim", "presets", "safetensors", "timer", "trace",
+    "data", "distributed", "microbatch", "optim", "presets", "safetensors", "timer", "trace",
 ]

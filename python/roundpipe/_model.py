@@ -59,21 +59,32 @@ class RoundPipe:
     - ``model_run_config``: defaults for every call (RoundPipeRunConfig).
     - ``pin_model``: ``"alloc"`` (page-locked arenas), ``"register"``,
       ``"off"``; pinning applies only when the devices are GPUs.
+    - ``process_group``: data parallelism with the other processes of this
+      ``roundpipe.distributed.ProcessGroup`` (rank 0's parameters, buffers and
+      seed are copied here; ``step`` combines the processes' gradients);
+      ``gradient_reduction``: ``"sum"`` (default) or ``"mean"``.
 
     Attribute reads, writes and deletes that RoundPipe does not define fall
     through to the wrapped model (or to the one given to set_original_model).
     """
 
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
-                      "_optim_dtype", "_run_config", "_optim_by_master"))
+                      "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
+                      "_gradient_reduction"))
 
-    def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc"):
+    def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
+                 process_group=None, gradient_reduction="sum"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be a torch.nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
             raise TypeError(f"RoundPipe: optim_dtype must be a torch.dtype or None, got {optim_dtype!r}")
         if pin_model not in _PIN_MODES:
             raise ValueError(f"RoundPipe: pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
+        if process_group is not None and not isinstance(process_group, _C.ProcessGroup):
+            raise TypeError("RoundPipe: process_group must be a roundpipe.distributed.ProcessGroup "
+                            f"(from init_process_group) or None, got {type(process_group).__name__}")
+        if gradient_reduction not in ("sum", "mean"):
+            raise ValueError(f"RoundPipe: gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
         if model_run_config is None:
             model_run_config = RoundPipeRunConfig()
         if not isinstance(model_run_config, RoundPipeRunConfig):
@@ -86,6 +97,8 @@ class RoundPipe:
         own["_original"] = None
         own["_optim_dtype"] = optim_dtype
         own["_run_config"] = model_run_config
+        own["_process_group"] = process_group
+        own["_gradient_reduction"] = gradient_reduction
         if isinstance(model, nn.Sequential):
             if len(model) == 0:
                 raise ValueError("RoundPipe: the Sequential has no layers")
@@ -100,7 +113,8 @@ class RoundPipe:
 
     def _build_engine(self):
         own = self.__dict__
-        own["_engine"] = _C.Engine(self._layers, self.name, self._optim_dtype, self._run_config)
+        own["_engine"] = _C.Engine(self._layers, self.name, self._optim_dtype, self._run_config,
+                                   self._process_group, self._gradient_reduction)
         _live_engines.add(self._engine)
         # Optimizer copy of each master parameter (for named access and ties).
         by_master = {}

@@ -419,7 +419,7 @@ class JobRunner {
       auto body = [&] { out = layer(l)->forward(dev_.index(), std::move(args), std::move(kwargs)); };
       if (c_.preserve_rng) {
         run_with_random_stream(dev_.torch_device(),
-                               stream_seed(c_.model.seed, c_.record->call_id, l, m),
+                               stream_seed(c_.model.seed, c_.record->call_id, l, c_.model.microbatch_offset + m),
                                c_.model.training, *(*c_.model.random_use)[l], body);
       } else {
         body();

@@ -52,6 +52,9 @@ struct ModelView {
   HostStore* store;
   std::vector<std::unique_ptr<RandomUse>>* random_use;
   uint64_t seed;
+  // Added to microbatch indices in random-stream keys: with data parallelism,
+  // process r's microbatch m draws as microbatch r * M + m of one process.
+  int64_t microbatch_offset;
   bool training;
   // Uploads of layer l wait until the parameters hold write `generation`
   // (the latest step's optimizer -> model copy issued before the call).

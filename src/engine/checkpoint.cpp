@@ -265,6 +265,17 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   // the next calls must still see θ_{k-1}. Both generations are saved.
   m.drain_optimizer();
   m.rethrow_step_error();
+  if (m.group) {
+    // Gradients not yet combined differ between the processes: they would
+    // be lost (or counted as rank 0's only) on resume.
+    for (const HostParam& p : m.store->params()) {
+      TORCH_CHECK_VALUE(!p.grad.defined() && !p.master.grad().defined(), "save_checkpoint: with a process group, "
+                        "save after step(): '", p.name, "' has gradients of calls that no step handed to the "
+                        "optimizer yet, and they differ between the processes");
+    }
+    // The state is the same on every process: rank 0 writes it.
+    if (m.group->rank() != 0) return;
+  }
 
   torch::serialize::OutputArchive ar;
   ar.write("format", c10::IValue(std::string(kFormat)));

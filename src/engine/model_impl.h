@@ -19,6 +19,7 @@
 
 #include "engine/call.h"
 #include "engine/call_timing.h"
+#include "engine/data_parallel.h"
 #include "engine/host_store.h"
 #include "engine/layer.h"
 #include "engine/param_gate.h"
@@ -56,6 +57,15 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     }
     const bool pinned = !pool.device(0).torch_device().is_cpu();
     store = std::make_unique<HostStore>(layers, pinned);
+    if (options.process_group) {
+      group = options.process_group;
+      reduction = options.gradient_reduction;
+      // The optimizer thread does not exist yet: drain only once it does.
+      attachment = std::make_unique<GroupAttachment>(group, name, [this] {
+        if (optimizer_thread) drain_optimizer();
+      });
+      broadcast_model_state(*group, *store, layers, seed);  // every process starts from rank 0's state
+    }
     for (size_t i = 0; i < layers.size(); ++i) random_use.push_back(std::make_unique<RandomUse>());
     if (defaults.num_microbatch()) check_num_microbatch(*defaults.num_microbatch());
     if (defaults.execute_plan()) check_model_plan(*defaults.execute_plan());
@@ -139,8 +149,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   std::shared_ptr<Call> new_call(int64_t m, const RunConfig& cfg) {
     auto call = std::make_shared<Call>();
-    call->model = ModelView{name, &layers, store.get(), &random_use, seed, is_training(), param_gate.get(),
-                            param_gate->issued()};
+    call->model = ModelView{name, &layers, store.get(), &random_use, seed, group ? group->rank() * m : 0,
+                            is_training(), param_gate.get(), param_gate->issued()};
     call->num_microbatch = m;
     call->grain = cfg.recompute_grain().value_or(RecomputeGrain::kStage);
     call->preserve_rng = cfg.preserve_rng_state().value_or(true);
@@ -265,6 +275,11 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   uint64_t seed = 0;
   int64_t next_call_id = 0;
   std::unique_ptr<ParamGate> param_gate;  // per-layer readiness of the parameters
+  // Data parallelism: the processes' group (null: alone), used by the
+  // optimizer thread after construction.
+  std::shared_ptr<ProcessGroup> group;
+  GradientReduction reduction = GradientReduction::kSum;
+  std::unique_ptr<GroupAttachment> attachment;  // destroyed after the optimizer thread
 
   // Declared last: destroyed first, after running what is queued.
   std::unique_ptr<WorkerThread> optimizer_thread;

@@ -168,16 +168,27 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
     const double step_start = host_now_ms();
     try {
       at::NoGradGuard no_grad;
+      std::vector<at::Tensor> sums(store->params().size());  // by parameter id
       for (const PendingGrad& g : *pending) {
-        at::Tensor& optim = store->params()[g.id].optim;
         at::Tensor sum = g.accumulated.defined() ? g.accumulated : at::Tensor();
         if (g.from_grad.defined()) sum = sum.defined() ? sum + g.from_grad : g.from_grad;
+        sums[g.id] = std::move(sum);
+      }
+      auto hand_off = [&](int64_t id) {
+        const at::Tensor& sum = sums[id];
+        if (!sum.defined()) return;
+        at::Tensor& optim = store->params()[id].optim;
         at::Tensor& grad = optim.mutable_grad();
         if (grad.defined()) {
           grad.add_(sum.to(optim.scalar_type()));
         } else {
           grad = sum.to(optim.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         }
+      };
+      if (group) {
+        reduce_gradients(*group, reduction, *store, sums, hand_off, "");
+      } else {
+        for (const PendingGrad& g : *pending) hand_off(g.id);
       }
     } catch (...) {
       ok = false;

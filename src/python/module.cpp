@@ -27,6 +27,7 @@ void bind_grad_scaler(py::module_& m);
 void bind_safetensors(py::module_& m);
 void bind_token_data(py::module_& m);
 void bind_checkpoint(py::module_& m);
+void bind_distributed(py::module_& m);
 
 namespace {
 
@@ -40,9 +41,13 @@ RunKind run_kind(const std::string& kind) {
 class Engine {
  public:
   Engine(const py::list& modules, const std::string& name, const py::object& optim_dtype,
-         const py::object& run_config) {
+         const py::object& run_config, const py::object& process_group, const std::string& gradient_reduction) {
     RoundPipeOptions options;
     options.name = name;
+    if (!process_group.is_none()) options.process_group = process_group.cast<std::shared_ptr<ProcessGroup>>();
+    TORCH_CHECK_VALUE(gradient_reduction == "sum" || gradient_reduction == "mean",
+                      "RoundPipe: gradient_reduction must be 'sum' or 'mean', got '", gradient_reduction, "'");
+    options.gradient_reduction = gradient_reduction == "sum" ? GradientReduction::kSum : GradientReduction::kMean;
     options.run_config = to_run_config(run_config);
     if (!optim_dtype.is_none()) {
       TORCH_CHECK_TYPE(THPDtype_Check(optim_dtype.ptr()), "optim_dtype must be a torch.dtype or None");
@@ -243,9 +248,11 @@ PYBIND11_MODULE(_C, m) {
   bind_token_data(m);
   bind_presets(m);
   bind_checkpoint(m);
+  bind_distributed(m);
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&>())
+      .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&,
+                    const py::object&, const std::string&>())
       .def("forward", &Engine::forward)
       .def("forward_backward", &Engine::forward_backward)
       .def("step", &Engine::step)
