@@ -111,7 +111,8 @@ ModelExecutePlan choose_plan(const ModelExecutePlan& current, const ModelExecute
 // largest over all of them, and all plans switch together or none does (the
 // guarantee above holds for the models together, not for each one alone, as
 // they share one budget). The three vectors hold one entry per model; an
-// empty `current` yields `candidate`.
+// empty `current` yields `candidate`. Throws c10::ValueError as the
+// single-model form does, or when the vectors' lengths differ.
 std::vector<ModelExecutePlan> choose_plan(const std::vector<ModelExecutePlan>& current,
                                           const std::vector<ModelExecutePlan>& candidate,
                                           const std::vector<LayerCosts>& costs, RunKind kind,

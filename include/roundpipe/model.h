@@ -79,7 +79,10 @@ class RoundPipe {
   // one contiguous host arena per layer; the model's tensors keep their
   // identity and now view that arena.
   explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
-  // Wraps already-adapted layers (used by language bindings).
+  // Errors in the options or the layers (c10::ValueError / c10::TypeError)
+  // name the model and the constructor.
+  // Wraps already-adapted layers (used by language bindings); none may be
+  // null (c10::ValueError).
   RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options);
   ~RoundPipe();
   RoundPipe(RoundPipe&&) noexcept;
@@ -89,7 +92,9 @@ class RoundPipe {
   // (RunConfig::output_device). If requires_grad (default: grad mode on), the
   // floating-point output tensors carry autograd history: backward through them
   // runs the backward stages through the pipeline and accumulates parameter
-  // gradients as forward_backward does.
+  // gradients as forward_backward does. Errors in the arguments (run config,
+  // plan, splitting the inputs, merging the outputs) are c10::ValueErrors
+  // naming the model and the call; a call that fails changes no buffer.
   c10::IValue forward(std::vector<c10::IValue> args, Kwargs kwargs = make_kwargs(),
                       const RunConfig& run_config = RunConfig());
   // Convenience for a model whose first layer takes one tensor.
@@ -104,8 +109,12 @@ class RoundPipe {
   // a list), or the tuple (loss, outputs) when return_outputs. Parameter
   // gradients accumulate on the host in fp32 (microbatch order, then call
   // order); input tensors that require grad get their .grad. On failure the
-  // error names model, stage, layer, microbatch and device, and no gradient,
-  // buffer or input .grad is changed.
+  // error names model, stage, layer, microbatch and device (for errors in
+  // the arguments, as forward: the model and the call), and no gradient,
+  // buffer or input .grad is changed. loss_fn must return scalar tensors
+  // computed from the outputs: c10::TypeError for anything but a tensor or a
+  // list/tuple of tensors, c10::ValueError for a non-scalar tensor or one
+  // that does not require grad.
   c10::IValue forward_backward(std::vector<c10::IValue> input_args, Kwargs input_kwargs,
                                c10::IValue label, const LossFn& loss_fn,
                                bool return_outputs = false,
@@ -146,8 +155,10 @@ class RoundPipe {
   // Copies values into the parameters and buffers and refreshes the
   // optimizer copies, so loading after creating an optimizer is not undone by
   // the next step. Waits for queued work first. With `strict`, missing or
-  // unexpected names are a c10::ValueError (nothing is changed then);
-  // a shape mismatch is always one.
+  // unexpected names are a c10::ValueError; a shape mismatch, a name given
+  // twice, an undefined tensor or one without data (meta) always are one,
+  // and complex values for a real tensor a c10::TypeError. Everything is
+  // checked before anything is copied: a failed load changes nothing.
   void load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict = true);
 
   // Copies the model's parameters into the optimizer copies (after waiting

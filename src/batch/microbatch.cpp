@@ -496,8 +496,8 @@ c10::optional<int64_t> find_batch_size(const std::vector<c10::IValue>& args, con
   return c10::nullopt;
 }
 
-MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
-                              const InputSplit& how) {
+static MicrobatchInputs split_inputs_unnamed(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
+                                             const InputSplit& how) {
   check_num_microbatches(n);
   if (how.fn) {
     MicrobatchInputs out = how.fn(args, kwargs, n);
@@ -542,7 +542,7 @@ MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs
   return out;
 }
 
-std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how) {
+static std::vector<c10::IValue> split_label_unnamed(const c10::IValue& label, int64_t n, const LabelSplit& how) {
   check_num_microbatches(n);
   if (how.fn) {
     std::vector<c10::IValue> out = how.fn(label, n);
@@ -553,12 +553,37 @@ std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const 
   return split_value(label, how.spec, "label", SplitContext{n, c10::nullopt});
 }
 
-c10::IValue merge_outputs(const std::vector<c10::IValue>& outputs, const OutputMerge& how) {
-  TORCH_CHECK_VALUE(!outputs.empty(), "merge_outputs: no microbatch outputs to merge");
+static c10::IValue merge_outputs_unnamed(const std::vector<c10::IValue>& outputs, const OutputMerge& how) {
+  TORCH_CHECK_VALUE(!outputs.empty(), "no microbatch outputs to merge");
   // merge == false wins over fn and spec: chaining needs the per-microbatch values.
   if (!how.merge) return unmerged(outputs, "output");
   if (how.fn) return how.fn(outputs);
   return merge_value(outputs, how.spec, "output");
+}
+
+// The entry points: their errors name them (the messages above say where in
+// the value tree the problem is).
+template <typename F>
+static auto naming(const char* entry, F&& f) {
+  try {
+    return f();
+  } catch (c10::Error& e) {
+    e.add_context(std::string("in ") + entry);  // same object, same type
+    throw;
+  }
+}
+
+MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
+                              const InputSplit& how) {
+  return naming("split_inputs", [&] { return split_inputs_unnamed(args, kwargs, n, how); });
+}
+
+std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how) {
+  return naming("split_label", [&] { return split_label_unnamed(label, n, how); });
+}
+
+c10::IValue merge_outputs(const std::vector<c10::IValue>& outputs, const OutputMerge& how) {
+  return naming("merge_outputs", [&] { return merge_outputs_unnamed(outputs, how); });
 }
 
 }  // namespace roundpipe

@@ -122,6 +122,22 @@ void rethrow_with_context(std::exception_ptr error, const std::string& context) 
 
 namespace {
 
+// What loss_fn returned must be something backward can start from: scalar
+// tensors that depend on the outputs (checked here, so the message says
+// what to change rather than what autograd could not do).
+void check_losses(const c10::IValue& loss, const std::vector<at::Tensor>& roots) {
+  TORCH_CHECK_TYPE(!roots.empty() && (loss.isTensor() || loss.isTuple() || loss.isList()),
+                   "loss_fn must return a scalar tensor or a list/tuple of scalar tensors, got ", loss.tagKind());
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const at::Tensor& t = roots[i];
+    TORCH_CHECK_VALUE(t.defined() && t.numel() == 1, "loss_fn must return scalar tensors, but loss ", i,
+                      " has shape ", t.defined() ? t.sizes() : at::IntArrayRef{},
+                      t.defined() ? "" : " (undefined)", "; reduce it, e.g. with .mean() or .sum()");
+    TORCH_CHECK_VALUE(t.requires_grad(), "loss_fn returned a loss (", i,
+                      ") that does not require grad: it must be computed from the model's outputs");
+  }
+}
+
 // Where a job is, for error messages.
 struct Cursor {
   int64_t layer = -1;
@@ -475,8 +491,7 @@ class JobRunner {
         cursor.layer = -1;
         loss = (*c_.loss_fn)(x, label);
         std::vector<at::Tensor> roots = flatten_tensors(loss);
-        TORCH_CHECK(!roots.empty() && (loss.isTensor() || loss.isTuple() || loss.isList()),
-                    "loss_fn must return a tensor or a sequence of tensors, got ", loss.tagKind());
+        check_losses(loss, roots);
         timer.start();
         torch::autograd::backward(roots);
         timer.finish(record_.layer_times);

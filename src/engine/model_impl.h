@@ -139,7 +139,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     const bool split_by_function = cfg.split_input() && cfg.split_input()->fn;
     c10::optional<int64_t> batch = find_batch_size(args, kwargs);
     if (!split_by_function && batch && *batch < m) {
-      TORCH_CHECK_VALUE(*batch >= 1, "RoundPipe '", name, "': the batch is empty (dim 0 is 0)");
+      TORCH_CHECK_VALUE(*batch >= 1, "the batch is empty (dim 0 of the first input tensor is 0)");
       TORCH_WARN("RoundPipe '", name, "': num_microbatch ", m, " is larger than the batch size ",
                  *batch, "; using ", *batch);
       m = *batch;

@@ -285,7 +285,11 @@ std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
 void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict) {
   impl_->drain_optimizer();
   impl_->rethrow_step_error();
-  std::unordered_map<std::string, at::Tensor> given(state.begin(), state.end());
+  std::unordered_map<std::string, at::Tensor> given;
+  for (const auto& [name, t] : state) {
+    TORCH_CHECK_VALUE(given.emplace(name, t).second, "load_state_dict: '", name,
+                      "' appears more than once; pass each name once");
+  }
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, source), checked first
   std::vector<std::string> missing;
   for (auto& [name, dst] : state_dict()) {
@@ -294,8 +298,17 @@ void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Ten
       missing.push_back(name);
       continue;
     }
-    TORCH_CHECK_VALUE(it->second.sizes() == dst.sizes(), "load_state_dict: '", name, "' has shape ",
-                      it->second.sizes(), " but the model's is ", dst.sizes());
+    // Everything a copy could fail on is checked here, before any copy:
+    // nothing is half-loaded.
+    const at::Tensor& src = it->second;
+    TORCH_CHECK_VALUE(src.defined(), "load_state_dict: '", name, "' is an undefined tensor");
+    TORCH_CHECK_VALUE(!src.is_meta() && src.layout() == at::kStrided, "load_state_dict: '", name,
+                      "' has no data to copy (a ", src.is_meta() ? "meta" : "non-dense", " tensor)");
+    TORCH_CHECK_TYPE(!at::isComplexType(src.scalar_type()) || at::isComplexType(dst.scalar_type()),
+                     "load_state_dict: '", name, "' is ", src.scalar_type(), " but the model's is ",
+                     dst.scalar_type(), ": complex values cannot be loaded into a real tensor");
+    TORCH_CHECK_VALUE(src.sizes() == dst.sizes(), "load_state_dict: '", name, "' has shape ",
+                      src.sizes(), " but the model's is ", dst.sizes());
     copies.emplace_back(dst, it->second);
     given.erase(it);
   }

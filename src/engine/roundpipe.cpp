@@ -40,6 +40,19 @@ c10::IValue sum_losses(const std::vector<c10::IValue>& losses) {
   return total;
 }
 
+// Runs `f`, which checks and prepares a call's arguments (run config, plan,
+// microbatch count, splits); its errors name the model and the call, as the
+// errors of the call's jobs do.
+template <typename F>
+auto checking_arguments(const std::string& model, const char* call, F&& f) {
+  try {
+    return f();
+  } catch (c10::Error& e) {
+    e.add_context("in RoundPipe model '" + model + "': " + call);  // same object, same type
+    throw;
+  }
+}
+
 c10::IValue move_outputs(const c10::IValue& merged, const RunConfig& cfg) {
   if (!cfg.output_device() || cfg.output_device()->is_cpu()) return merged;
   const c10::Device device = *cfg.output_device();
@@ -113,15 +126,33 @@ RoundRobin& RoundPipe::Impl::round_robin() {
 
 RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
   TORCH_CHECK_VALUE(!model.is_empty(), "RoundPipe: model is an empty holder");
-  std::vector<std::shared_ptr<Layer>> layers;
-  int64_t i = 0;
-  for (const auto& any : *model) layers.push_back(make_module_layer(any, i++));
-  impl_ = std::make_shared<Impl>(std::move(layers), std::move(options), model);
+  const std::string name = options.name;
+  impl_ = checking_arguments(name, "constructor", [&] {
+    std::vector<std::shared_ptr<Layer>> layers;
+    int64_t i = 0;
+    for (const auto& any : *model) layers.push_back(make_module_layer(any, i++));
+    return std::make_shared<Impl>(std::move(layers), std::move(options), model);
+  });
   detail::note_live_model(impl_);
 }
 
-RoundPipe::RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options)
-    : impl_(std::make_shared<Impl>(std::move(layers), std::move(options), torch::nn::Sequential(nullptr))) {
+namespace {
+
+std::vector<std::shared_ptr<Layer>> checked_layers(std::vector<std::shared_ptr<Layer>> layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK_VALUE(layers[i] != nullptr, "RoundPipe: layer ", i, " of ", layers.size(), " is null");
+  }
+  return layers;
+}
+
+}  // namespace
+
+RoundPipe::RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options) {
+  const std::string name = options.name;
+  impl_ = checking_arguments(name, "constructor", [&] {
+    return std::make_shared<Impl>(checked_layers(std::move(layers)), std::move(options),
+                                  torch::nn::Sequential(nullptr));
+  });
   detail::note_live_model(impl_);  // found by tensor for the language bindings' checkpoints
 }
 
@@ -135,9 +166,13 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
   const RunConfig cfg = run_config.merged_over(m.defaults);
   const bool requires_grad = cfg.requires_grad().value_or(at::GradMode::is_enabled());
   const RunKind kind = requires_grad ? RunKind::kTrain : RunKind::kInfer;
-  const ModelExecutePlan plan = m.plan_for(cfg, kind);
-  const int64_t n = m.microbatches_for(cfg, args, kwargs);
-  MicrobatchInputs inputs = split_call_inputs(args, kwargs, n, cfg);
+  ModelExecutePlan plan;
+  int64_t n = 0;
+  MicrobatchInputs inputs = checking_arguments(m.name, "forward", [&] {
+    n = m.microbatches_for(cfg, args, kwargs);
+    plan = m.plan_for(cfg, kind);
+    return split_call_inputs(args, kwargs, n, cfg);
+  });
 
   auto call = m.new_call(n, cfg);
   call->record = m.new_record(n);
@@ -147,7 +182,6 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
   call->init_flow();
   Impl::feed_inputs(*call, inputs);
   m.execute(call);
-  m.commit(*call);
 
   std::vector<c10::IValue> outputs;
   for (const Slot& s : call->flow[call->jobs.size()]) outputs.push_back(s.value);
@@ -174,7 +208,13 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
       });
     }
   }
-  return move_outputs(merge_outputs(outputs, cfg.merge_output().value_or(OutputMerge{})), cfg);
+  // Merged before the results are applied: a merge spec that does not fit
+  // (or an output device that cannot be reached) changes nothing.
+  c10::IValue merged = checking_arguments(m.name, "forward", [&] {
+    return move_outputs(merge_outputs(outputs, cfg.merge_output().value_or(OutputMerge{})), cfg);
+  });
+  m.commit(*call);
+  return merged;
 }
 
 at::Tensor RoundPipe::forward(const at::Tensor& input, const RunConfig& run_config) {
@@ -191,21 +231,38 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   TORCH_CHECK_VALUE(static_cast<bool>(loss_fn), "forward_backward: loss_fn is empty");
   m.rethrow_step_error();  // jobs wait for their layers' parameters themselves (ParamGate)
   const RunConfig cfg = run_config.merged_over(m.defaults);
-  const ModelExecutePlan plan = m.plan_for(cfg, RunKind::kFused);
-  const int64_t n = m.microbatches_for(cfg, input_args, input_kwargs);
-  MicrobatchInputs inputs = split_call_inputs(input_args, input_kwargs, n, cfg);
+  ModelExecutePlan plan;
+  int64_t n = 0;
+  std::vector<c10::IValue> labels;
+  MicrobatchInputs inputs = checking_arguments(m.name, "forward_backward", [&] {
+    n = m.microbatches_for(cfg, input_args, input_kwargs);
+    plan = m.plan_for(cfg, RunKind::kFused);
+    labels = split_label(label, n, cfg.split_label().value_or(LabelSplit{}));
+    return split_call_inputs(input_args, input_kwargs, n, cfg);
+  });
 
   auto call = m.new_call(n, cfg);
   call->record = m.new_record(n);
   call->saves_for_backward = true;
   for (size_t s = 1; s < plan.bwd_plan.size(); ++s) call->backward_starts[plan.bwd_plan[s].begin] = 1;
-  call->labels = split_label(label, n, cfg.split_label().value_or(LabelSplit{}));
+  call->labels = std::move(labels);
   call->loss_fn = &loss_fn;
   call->keep_outputs = return_outputs;
   call->jobs = make_jobs(plan, CallKind::kFused);
   call->init_flow();
   Impl::feed_inputs(*call, inputs);
   m.execute(call);
+  // The loss and the merged outputs before anything is applied: a merge spec
+  // that does not fit (or an output device that cannot be reached) changes
+  // nothing.
+  c10::IValue loss, merged;
+  checking_arguments(m.name, "forward_backward", [&] {
+    loss = sum_losses(call->losses);
+    if (return_outputs) {
+      merged = move_outputs(merge_outputs(call->outputs, cfg.merge_output().value_or(OutputMerge{})), cfg);
+    }
+    return 0;
+  });
   m.commit(*call);
 
   // Gradients for the caller's inputs, through the split (autograd views).
@@ -222,10 +279,8 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   }
   if (!roots.empty()) torch::autograd::backward(roots, root_grads);
 
-  c10::IValue loss = sum_losses(call->losses);
   if (!return_outputs) return loss;
-  c10::IValue merged = merge_outputs(call->outputs, cfg.merge_output().value_or(OutputMerge{}));
-  return c10::ivalue::Tuple::create({loss, move_outputs(merged, cfg)});
+  return c10::ivalue::Tuple::create({loss, merged});
 }
 
 void RoundPipe::train(bool on) {

@@ -50,6 +50,7 @@ void LoraConfig::validate() const {
 int64_t apply_lora(torch::nn::Sequential& decoder, const LoraConfig& config) {
   config.validate();
   // Check everything before changing anything.
+  TORCH_CHECK_VALUE(!decoder.is_empty(), "apply_lora: the Sequential is a null holder; pass one made by make_decoder");
   const size_t n = decoder->size();
   TORCH_CHECK_VALUE(n >= 2, "apply_lora: expects a Sequential made by make_decoder, got ", n,
                     " layer(s)");

@@ -102,7 +102,8 @@ void AdamOptions::set_lr(const double lr) { this->lr(lr); }
 // ---- Adam ----------------------------------------------------------------
 
 Adam::Adam(const char* name, std::vector<OptimizerParamGroup> param_groups, AdamOptions defaults)
-    : torch::optim::Optimizer(std::move(param_groups), std::make_unique<AdamOptions>(defaults)),
+    : torch::optim::Optimizer(detail::checked_groups(name, std::move(param_groups)),
+                              std::make_unique<AdamOptions>(defaults)),
       name_(name) {
   check_options(name_, defaults, "the default options");
   check_groups(name_, param_groups_);

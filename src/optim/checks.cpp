@@ -76,6 +76,12 @@ void check_params(const char* optimizer,
   }
 }
 
+std::vector<torch::optim::OptimizerParamGroup> checked_groups(
+    const char* optimizer, std::vector<torch::optim::OptimizerParamGroup> groups) {
+  check_params(optimizer, groups);
+  return groups;
+}
+
 void check_companion(const ParamRef& ref, const char* what, const at::Tensor& t, int64_t numel) {
   check_float_cpu_dense(ref, what, t);
   TORCH_CHECK_VALUE(t.numel() == numel, ref, ": ", what, " has ", t.numel(), " elements (sizes ",

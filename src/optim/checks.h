@@ -52,6 +52,12 @@ void check_param(const ParamRef& ref, const at::Tensor& param);
 void check_params(const char* optimizer,
                   const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
+// `groups` after check_params, for a constructor's base-class initializer:
+// libtorch's Optimizer dereferences its parameters (an undefined one would
+// fail there with an unclear message), so they are checked before it runs.
+std::vector<torch::optim::OptimizerParamGroup> checked_groups(
+    const char* optimizer, std::vector<torch::optim::OptimizerParamGroup> groups);
+
 // A tensor read or written beside a parameter (`what`: "gradient", "state
 // 'exp_avg'", ...): like check_param, and `numel` elements.
 void check_companion(const ParamRef& ref, const char* what, const at::Tensor& t, int64_t numel);

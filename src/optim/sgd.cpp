@@ -88,7 +88,8 @@ void SGDOptions::set_lr(const double lr) { this->lr(lr); }
 // ---- SGD -----------------------------------------------------------------
 
 SGD::SGD(std::vector<OptimizerParamGroup> param_groups, SGDOptions defaults)
-    : torch::optim::Optimizer(std::move(param_groups), std::make_unique<SGDOptions>(defaults)) {
+    : torch::optim::Optimizer(detail::checked_groups("SGD", std::move(param_groups)),
+                              std::make_unique<SGDOptions>(defaults)) {
   check_options(defaults, "the default options");
   check_groups(param_groups_);
 }

@@ -432,6 +432,10 @@ std::vector<ModelExecutePlan> choose_plan(const std::vector<ModelExecutePlan>& c
                                           const std::vector<LayerCosts>& costs, RunKind kind,
                                           double min_gain) {
   CheckMinGain(min_gain);
+  TORCH_CHECK_VALUE(candidate.size() == costs.size() && (current.empty() || current.size() == costs.size()),
+                    "choose_plan: got ", current.size(), " current plans, ", candidate.size(),
+                    " candidate plans and the costs of ", costs.size(),
+                    " models: pass one of each per model (or no current plan)");
   const double candidate_ms = worst_stage_ms(candidate, costs, kind);
   if (current.empty()) return candidate;
   const double current_ms = worst_stage_ms(current, costs, kind);

@@ -130,7 +130,7 @@ std::vector<LayerRange> Partition(const std::vector<int64_t>& bytes, int64_t beg
 
 void ModelExecutePlan::validate(int64_t num_layers, RunKind kind) const {
   TORCH_CHECK_VALUE(num_layers >= 1,
-                    "a model must have at least 1 layer, got num_layers=", num_layers);
+                    "ModelExecutePlan::validate: a model must have at least 1 layer, got num_layers=", num_layers);
   CheckRangesInModel(fwd_plan, "forward", num_layers);
   CheckRangesInModel(bwd_plan, "backward", num_layers);
   CheckForwardShape(fwd_plan);
@@ -179,7 +179,7 @@ ModelExecutePlan default_plan(const std::vector<int64_t>& layer_bytes, int64_t n
   TORCH_CHECK_VALUE(num_devices >= 1,
                     "default_plan needs at least 1 device, got num_devices=", num_devices);
   for (int64_t i = 0; i < num_layers; ++i) {
-    TORCH_CHECK_VALUE(layer_bytes[i] >= 0, "layer byte sizes must be >= 0: layer ", i, " has ",
+    TORCH_CHECK_VALUE(layer_bytes[i] >= 0, "default_plan: layer byte sizes must be >= 0, but layer ", i, " has ",
                       layer_bytes[i]);
   }
 
