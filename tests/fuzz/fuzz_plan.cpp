@@ -99,6 +99,30 @@ LayerCosts SomeCosts(FuzzedDataProvider& in) {
   return c;
 }
 
+// The input of auto_plan, printed before a failure is reported.
+void Print(const std::vector<LayerCosts>& models, const roundpipe::AutoPlanOptions& o) {
+  const auto doubles = [](const char* name, const std::vector<double>& v) {
+    std::fprintf(stderr, "  %s:", name);
+    for (double x : v) std::fprintf(stderr, " %.17g", x);
+    std::fprintf(stderr, "\n");
+  };
+  const auto ints = [](const char* name, const std::vector<int64_t>& v) {
+    std::fprintf(stderr, "  %s:", name);
+    for (int64_t x : v) std::fprintf(stderr, " %lld", static_cast<long long>(x));
+    std::fprintf(stderr, "\n");
+  };
+  std::fprintf(stderr, "auto_plan(run_kind=%d min_stages=%lld upper_threshold=%.17g limit=%lld) of:\n",
+               static_cast<int>(o.run_kind), static_cast<long long>(o.min_stages), o.upper_threshold,
+               static_cast<long long>(o.model_memory_limit_bytes));
+  for (const auto& m : models) {
+    doubles("fwd_ms", m.fwd_ms);
+    doubles("recompute_ms", m.recompute_ms);
+    doubles("bwd_ms", m.bwd_ms);
+    ints("param_bytes", m.param_bytes);
+    ints("activation_bytes", m.activation_bytes);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -128,7 +152,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       .set_upper_threshold(in.ConsumeBool() ? 1.0 + SomeTime(in) : SomeTime(in))
       .set_model_memory_limit_bytes(SomeBytes(in, 1 << 22));
   std::vector<ModelExecutePlan> plans;
-  if (!Accepts([&] { plans = roundpipe::auto_plan(models, options); }, "auto_plan")) return 0;
+  try {
+    plans = roundpipe::auto_plan(models, options);
+  } catch (const c10::ValueError&) {
+    return 0;
+  } catch (const c10::Error& e) {
+    Print(models, options);
+    std::fprintf(stderr, "auto_plan: unexpected c10::Error: %s\n", e.what_without_backtrace());
+    std::abort();
+  }
   if (plans.size() != models.size()) std::abort();
   for (size_t i = 0; i < plans.size(); ++i) {
     MustValidate(plans[i], models[i].num_layers(), options.run_kind, "auto_plan");
