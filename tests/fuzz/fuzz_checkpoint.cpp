@@ -11,6 +11,8 @@
 // Each load must succeed or throw c10::Error, and a failed load must leave
 // the model's parameters and optimizer copies, the optimizer's and the
 // scaler's state and the CheckpointState as they were.
+// With ROUNDPIPE_FUZZ_WRITE_SEEDS=<dir> it writes a valid checkpoint there
+// (valid-file): the file-* inputs of the corpus are made from it.
 #include <roundpipe/checkpoint.h>
 #include <roundpipe/grad_scaler.h>
 #include <roundpipe/roundpipe.h>
@@ -157,7 +159,7 @@ IValue Mutated(FuzzedDataProvider& in, const IValue& v) {
         case 0: t = t.to(at::kDouble); break;
         case 1: t = t.flatten(); break;
         case 2: t = t.unsqueeze(0); break;
-        default: t = at::full_like(t, in.ConsumeFloatingPoint<double>()); break;
+        default: t = at::full_like(t, in.ConsumeFloatingPoint<float>()); break;  // any float value
       }
     }
     if (in.ConsumeBool()) xs.pop_back();
