@@ -83,8 +83,9 @@ struct AutoPlanOptions {
 // One plan per model, in order, each valid for options.run_kind (see the top
 // of this file for how plans are chosen). Throws c10::ValueError when there is
 // no model, a model has no layer, the cost vectors of a model differ in
-// length, a cost is negative or not finite, an option is out of range, or a
-// single layer alone exceeds the memory limit.
+// length, a cost is negative or not finite, a model's times add up to more
+// than the largest double, an option is out of range, or a single layer
+// alone exceeds the memory limit.
 std::vector<ModelExecutePlan> auto_plan(const std::vector<LayerCosts>& models,
                                         const AutoPlanOptions& options);
 

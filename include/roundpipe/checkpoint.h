@@ -90,6 +90,9 @@ void save_checkpoint(const std::string& path, RoundPipe& model, const Checkpoint
 // corrupt file, another architecture (missing, unexpected, mis-shaped
 // tensors), or an optimizer/scaler requested that the file does not hold.
 // A failed load leaves the model, optimizer, scaler and `state` unchanged.
+// Load only files you trust, as with torch.load: the hash catches damage, but
+// a file crafted with a matching hash reaches libtorch's archive reader,
+// which does not withstand arbitrary bytes (it can crash).
 void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState& state);
 
 }  // namespace roundpipe

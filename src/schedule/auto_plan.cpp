@@ -58,6 +58,14 @@ void CheckCosts(const LayerCosts& c, int64_t model) {
   CheckTimes(c.bwd_ms, "bwd_ms", model);
   CheckBytes(c.param_bytes, "param_bytes", model);
   CheckBytes(c.activation_bytes, "activation_bytes", model);
+  // Stage times are sums of layer times, and an infinite time means "no
+  // such split" to the planner: every sum must stay finite. (Rounding is
+  // monotone, so no stage's sum exceeds this total.)
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += c.fwd_ms[i] + c.recompute_ms[i] + c.bwd_ms[i];
+  TORCH_CHECK_VALUE(std::isfinite(total), "LayerCosts", OfModel(model),
+                    ": the layer times (fwd_ms + recompute_ms + bwd_ms) add up to more than the "
+                    "largest double: give them in a larger unit");
 }
 
 // Sum of w[begin, end) added in layer order, the one way every stage time is

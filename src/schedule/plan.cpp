@@ -183,8 +183,9 @@ ModelExecutePlan default_plan(const std::vector<int64_t>& layer_bytes, int64_t n
                       layer_bytes[i]);
   }
 
-  // Two forward stages per device keep every device busy.
-  const int64_t fwd_stages = std::min(num_layers, 2 * num_devices);
+  // Two forward stages per device keep every device busy. (Capping the
+  // device count first keeps 2 * devices from overflowing.)
+  const int64_t fwd_stages = std::min(num_layers, 2 * std::min(num_devices, num_layers));
   // Backward is ~3x forward work, so ~3x as many (smaller) stages.
   const int64_t bwd_stages = std::min(num_layers, 3 * fwd_stages);
 
@@ -196,7 +197,7 @@ ModelExecutePlan default_plan(const std::vector<int64_t>& layer_bytes, int64_t n
   if (kind == RunKind::kFused) {
     // The fused stage is the deepest backward stage; forward stops where it begins.
     const int64_t fwd_end = plan.bwd_plan.front().begin;
-    const int64_t stages = std::min(fwd_end, 2 * num_devices);
+    const int64_t stages = std::min(fwd_end, 2 * std::min(num_devices, fwd_end));
     if (stages > 0) plan.fwd_plan = Partition(layer_bytes, 0, fwd_end, stages);
   } else {
     plan.fwd_plan = Partition(layer_bytes, 0, num_layers, fwd_stages);

@@ -549,6 +549,33 @@ TEST(AutoPlan, RejectsBadCosts) {
   ExpectError([&] { auto_plan({c}, o); }, {"param_bytes[1]", "-5", ">= 0"});
 }
 
+// Finite times whose sum overflows to infinity once tripped an internal
+// assertion of the fused planner (found by tests/fuzz/fuzz_plan); times that
+// still add up to a finite total are planned as usual.
+TEST(AutoPlan, RejectsTimesThatAddUpToInfinity) {
+  const double big = std::numeric_limits<double>::max();
+  LayerCosts c = Costs({1, 1, 1, 1, 1});
+  c.fwd_ms.assign(5, big);
+  c.recompute_ms.assign(5, big);
+  c.bwd_ms.assign(5, big / 2);
+  for (RunKind kind : {RunKind::kInfer, RunKind::kTrain, RunKind::kFused}) {
+    ExpectError([&] { auto_plan({c}, AutoPlanOptions().set_run_kind(kind).set_min_stages(5)); },
+                {"add up to more than the largest double"});
+  }
+  ExpectError([&] { worst_stage_ms(Plan({{0, 5}}, {}), c, RunKind::kInfer); },
+              {"add up to more than the largest double"});
+  const double large = big / 16;  // 15 of them: finite
+  c.fwd_ms.assign(5, large);
+  c.recompute_ms.assign(5, large);
+  c.bwd_ms.assign(5, large);
+  for (RunKind kind : {RunKind::kInfer, RunKind::kTrain, RunKind::kFused}) {
+    const auto options = AutoPlanOptions().set_run_kind(kind).set_min_stages(5).set_upper_threshold(1e300);
+    const std::vector<ModelExecutePlan> plans = auto_plan({c}, options);
+    ASSERT_EQ(plans.size(), 1u);
+    EXPECT_NO_THROW(plans[0].validate(5, kind)) << plans[0].to_string();
+  }
+}
+
 TEST(AutoPlan, RejectsBadOptions) {
   const std::vector<LayerCosts> m = {Costs({1, 2})};
   ExpectError([&] { auto_plan(m, AutoPlanOptions().set_min_stages(0)); },

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -273,6 +274,19 @@ TEST(DefaultPlan, EqualBytesGiveBalancedForwardStages) {
           EXPECT_LE(r.size(), 2 * per_stage) << plan.to_string();
         }
       }
+    }
+  }
+}
+
+// More devices than layers: as many stages as layers. A device count near
+// INT64_MAX once overflowed 2 * devices (found by tests/fuzz/fuzz_plan).
+TEST(DefaultPlan, HugeDeviceCountsGiveOneLayerPerStage) {
+  const std::vector<int64_t> bytes{3, 1, 4, 1, 5};
+  for (RunKind kind : kAllKinds) {
+    const ModelExecutePlan few = default_plan(bytes, 5, kind);
+    for (int64_t devices : {int64_t{6}, std::numeric_limits<int64_t>::max() / 2 + 1,
+                            std::numeric_limits<int64_t>::max()}) {
+      EXPECT_EQ(default_plan(bytes, devices, kind), few) << devices;
     }
   }
 }
