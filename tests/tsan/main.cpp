@@ -1,0 +1,7 @@
+// Test main of the ThreadSanitizer build of the concurrency primitives.
+#include <gtest/gtest.h>
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
