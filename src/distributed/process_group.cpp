@@ -5,6 +5,7 @@
 #include "engine/optimizer_thread.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -166,14 +167,23 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions options) 
       host = rest.substr(0, colon);
       port = parse_port(rest.substr(colon + 1), "the port of init_method '" + method + "'");
     }
+    // Under torchrun's elastic agent the agent already hosts the store at
+    // MASTER_ADDR:MASTER_PORT (as torch.distributed, join it as a client).
+    const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    const bool use_agent_store = agent_store != nullptr && std::string(agent_store) == "True";
     c10d::TCPStoreOptions store_options;
     store_options.port = port;
-    store_options.isServer = impl->rank == 0;
+    store_options.isServer = impl->rank == 0 && !use_agent_store;
     store_options.numWorkers = static_cast<size_t>(impl->world_size);
-    store_options.waitWorkers = true;
+    store_options.waitWorkers = !use_agent_store;  // every process counts itself in at the store
     store_options.timeout = options.timeout;
     try {
       impl->store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+      if (use_agent_store) {  // torch.distributed's key space in the agent's store
+        const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+        impl->store = c10::make_intrusive<c10d::PrefixStore>(
+            std::string("/worker/attempt_") + (attempt != nullptr ? attempt : "0") + "/roundpipe", impl->store);
+      }
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "ProcessGroup: rank ", impl->rank, " could not meet the other ", impl->world_size - 1,
                   " processes at ", host, ":", port, " within ", options.timeout.count(), " ms: ", message_of(e));

@@ -99,22 +99,27 @@ int64_t env_int(const char* name, int64_t fallback) {
 
 // A process of a data-parallel run (spawned by the tests below). Writes its
 // losses and final parameters to <dir>/rank<r>.pt, or its error to <dir>/rank<r>.err.
-// ROUNDPIPE_DP_DIE_AT=k: the last rank kills itself before step k.
+// ROUNDPIPE_DP_DIE_AT=k: the last rank kills itself before step k;
+// ROUNDPIPE_DP_HANG_AT=k: it sleeps three timeouts there instead.
 TEST(DataParallelChild, Train) {
   const char* dir_env = std::getenv("ROUNDPIPE_DP_DIR");
   if (dir_env == nullptr) GTEST_SKIP() << "run by the DataParallel tests";
   const std::string dir = dir_env;
   const int64_t rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
   const int64_t steps = env_int("ROUNDPIPE_DP_STEPS", 5), die_at = env_int("ROUNDPIPE_DP_DIE_AT", -1);
+  const int64_t hang_at = env_int("ROUNDPIPE_DP_HANG_AT", -1), timeout_ms = env_int("ROUNDPIPE_DP_TIMEOUT_MS", 60000);
   const bool is_async = env_int("ROUNDPIPE_DP_ASYNC", 1) != 0;
   try {
     auto group = ProcessGroup::create(ProcessGroupOptions()
                                           .set_init_method(std::getenv("ROUNDPIPE_DP_INIT"))
-                                          .set_timeout(std::chrono::milliseconds(env_int("ROUNDPIPE_DP_TIMEOUT_MS", 60000))));
+                                          .set_timeout(std::chrono::milliseconds(timeout_ms)));
     Trainer t(rank, group, kMicrobatchesPerRank);
     std::vector<at::Tensor> losses;
     for (int64_t k = 1; k <= steps; ++k) {
       if (k == die_at && rank == world - 1) ::kill(::getpid(), SIGKILL);  // a peer that dies mid-run
+      if (k == hang_at && rank == world - 1) {  // a peer that stops answering (its connections stay open)
+        std::this_thread::sleep_for(std::chrono::milliseconds(3 * timeout_ms));
+      }
       auto [ids, targets] = global_batch(k, world);
       losses.push_back(t.train_step(ids.narrow(0, rank * kRowsPerRank, kRowsPerRank),
                                     targets.narrow(0, rank * kRowsPerRank, kRowsPerRank), is_async));
@@ -138,6 +143,7 @@ struct Child {
   pid_t pid = 0;
   int status = 0;
   bool done = false;
+  double seconds = 0;  // from the start of the group to its exit
 };
 
 // Runs `world` processes of DataParallelChild.Train with `env` added; waits
@@ -171,11 +177,12 @@ std::vector<Child> run_group(int64_t world, const std::string& dir, const std::v
     EXPECT_EQ(posix_spawn(&children[r].pid, exe.c_str(), &actions, nullptr, argv, envp.data()), 0);
     posix_spawn_file_actions_destroy(&actions);
   }
-  const auto end = std::chrono::steady_clock::now() + deadline;
+  const auto start = std::chrono::steady_clock::now(), end = start + deadline;
   for (size_t left = children.size(); left > 0;) {
     for (Child& c : children) {
       if (!c.done && ::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
         c.done = true;
+        c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         --left;
       }
     }
@@ -246,10 +253,8 @@ TEST(DataParallel, ThreeProcessesSyncEqualOneProcessOnTheWholeBatch) { expect_ma
 
 TEST(DataParallel, APeerKilledMidRunFailsTheOthersWithinTheTimeout) {
   const std::string dir = temp_dir() + "/kill";
-  const auto start = std::chrono::steady_clock::now();
   const std::vector<Child> children =
       run_group(3, dir, {"ROUNDPIPE_DP_DIE_AT=3", "ROUNDPIPE_DP_TIMEOUT_MS=15000"}, std::chrono::seconds(120));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(children[2].done && WIFSIGNALED(children[2].status));
   for (int64_t r = 0; r < 2; ++r) {
     const Child& c = children[r];
@@ -258,8 +263,22 @@ TEST(DataParallel, APeerKilledMidRunFailsTheOthersWithinTheTimeout) {
     const std::string error = read_text(dir + "/rank" + std::to_string(r) + ".err");
     EXPECT_THAT(error, HasSubstr("data parallel: "));
     EXPECT_THAT(error, HasSubstr("rank " + std::to_string(r) + " of 3"));
+    std::cout << "rank " << r << " ended " << c.seconds << " s after the start (timeout 15 s)\n";
   }
-  std::cout << "survivors ended " << seconds << " s after the start (timeout 15 s)\n";
+}
+
+TEST(DataParallel, APeerThatHangsFailsTheOthersAfterTheTimeout) {
+  const std::string dir = temp_dir() + "/hang";
+  const std::vector<Child> children =
+      run_group(2, dir, {"ROUNDPIPE_DP_HANG_AT=3", "ROUNDPIPE_DP_TIMEOUT_MS=2000"}, std::chrono::seconds(120));
+  ASSERT_TRUE(children[0].done && WIFEXITED(children[0].status)) << "rank 0 did not exit by itself";
+  EXPECT_NE(WEXITSTATUS(children[0].status), 0);
+  const std::string error = read_text(dir + "/rank0.err");
+  EXPECT_THAT(error, HasSubstr("data parallel: "));
+  EXPECT_THAT(error, HasSubstr("rank 0 of 2"));
+  EXPECT_THAT(error, HasSubstr("timeout of 2 s"));
+  std::cout << "rank 0 ended " << children[0].seconds << " s after the start (timeout 2 s; the peer slept "
+            << "6 s and ended after " << children[1].seconds << " s)\n";
 }
 
 TEST(DataParallel, CheckpointOfTwoProcessesResumesInOne) {

@@ -113,15 +113,21 @@ def test_processes_equal_one_process_on_the_concatenated_batch(tmp_path, world, 
 
 def test_checkpoint_of_two_processes_resumes_in_one(tmp_path):
     results, ckpt = _run_group(tmp_path, 2, "roundpipe")
-    torch.manual_seed(9)
-    net = value_model(dropout=0.3)
-    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=2 * MICROBATCHES))
-    opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-2)
-    assert roundpipe.load_checkpoint(ckpt, model, optimizer=opt)["step"] == STEPS
+
+    def loaded(seed):  # other initial weights and seed, which the checkpoint replaces
+        torch.manual_seed(seed)
+        net = value_model(dropout=0.3)
+        model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=2 * MICROBATCHES))
+        opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-2)
+        assert roundpipe.load_checkpoint(ckpt, model, optimizer=opt)["step"] == STEPS
+        return net, model, opt
+
+    net, model, _ = loaded(9)
     model.synchronize()
-    for name, t in results[0]["state"].items():
+    for name, t in results[0]["state"].items():  # rank 0's state, buffers included
         assert torch.equal(net.state_dict()[name], t), name
-    # ... and continues like the uninterrupted one-process run.
+    # A fresh resume continues like the uninterrupted one-process run.
+    net, model, opt = loaded(10)
     _, resumed = _reference(2, "roundpipe", steps=STEPS + 2, model_and_opt=(net, model, opt, STEPS))
     _, uninterrupted = _reference(2, "roundpipe", steps=STEPS + 2)
     for name, t in uninterrupted.items():
