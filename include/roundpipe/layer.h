@@ -31,4 +31,17 @@ class ValueLayer {
   virtual c10::IValue forward(std::vector<c10::IValue> args, Kwargs kwargs) = 0;
 };
 
+// Random numbers: every run of a layer draws from its device's generator set
+// from (seed, call, layer, microbatch), so recomputation repeats whatever the
+// layer draws, whenever it draws (dropout that depends on the input or the
+// mode included). CPU devices share one generator, so such runs take turns.
+// A module that never draws random numbers, in any mode and for any input,
+// may derive from RandomFree to say so: its runs then skip the generator and
+// run at the same time on CPU devices. (A RandomFree module that draws
+// breaks recomputation and device-count invariance.)
+class RandomFree {
+ public:
+  virtual ~RandomFree() = default;
+};
+
 }  // namespace roundpipe

@@ -146,11 +146,15 @@ class RoundPipe {
   std::vector<at::Tensor> optim_parameters() const;
   std::vector<std::pair<std::string, at::Tensor>> optim_named_parameters() const;
   // The model's parameters; the optimizer copies inside an OptimizerCtx or a
-  // step_fn (see optimizer.h).
+  // step_fn (see optimizer.h). The model's parameters are returned once they
+  // hold what the latest step published (θ_{k-1} after an asynchronous step,
+  // θ_k after a synchronous one): an asynchronous step's write is waited for,
+  // its step_fn is not.
   std::vector<at::Tensor> parameters() const;
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
 
-  // Parameters and buffers by name ("<layer>.<name>"), master copies.
+  // Parameters and buffers by name ("<layer>.<name>"), master copies, once
+  // they hold what the latest step published (as parameters()).
   std::vector<std::pair<std::string, at::Tensor>> state_dict() const;
   // Copies values into the parameters and buffers and refreshes the
   // optimizer copies, so loading after creating an optimizer is not undone by

@@ -211,7 +211,7 @@ TORCH_MODULE(DecoderMlp);
 // Layer 0. Called with input_ids [B, T] (int64) and optionally labels [B, T]
 // (keyword "labels" or a second positional argument); returns the state
 // tuple. Child: embed_tokens (torch::nn::Embedding [V, D]).
-class DecoderEmbeddingImpl : public torch::nn::Cloneable<DecoderEmbeddingImpl>, public ValueLayer {
+class DecoderEmbeddingImpl : public torch::nn::Cloneable<DecoderEmbeddingImpl>, public ValueLayer, public RandomFree {
  public:
   explicit DecoderEmbeddingImpl(DecoderConfig config);
   void reset() override;
@@ -224,7 +224,7 @@ TORCH_MODULE(DecoderEmbedding);
 
 // One decoder layer: h += self_attn(input_layernorm(h));
 // h += mlp(post_attention_layernorm(h)). State tuple in, state tuple out.
-class DecoderBlockImpl : public torch::nn::Cloneable<DecoderBlockImpl>, public ValueLayer {
+class DecoderBlockImpl : public torch::nn::Cloneable<DecoderBlockImpl>, public ValueLayer, public RandomFree {
  public:
   explicit DecoderBlockImpl(DecoderConfig config);
   void reset() override;
@@ -258,7 +258,7 @@ TORCH_MODULE(LmHeadProjection);
 // 0-dim fp32 tensor, computed by chunked_cross_entropy so full logits never
 // exist; without labels, returns logits [B, T, V]. Children: norm (RMSNorm),
 // lm_head (LmHeadProjection; with `tied_embedding` it shares that tensor).
-class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl>, public ValueLayer {
+class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl>, public ValueLayer, public RandomFree {
  public:
   explicit LmHeadImpl(DecoderConfig config, at::Tensor tied_embedding = {});
   void reset() override;

@@ -5,18 +5,29 @@ The model stays in host memory; its layers run as a pipeline of stages handed
 round-robin to the devices; the optimizer runs on the CPU one step behind.
 See docs/guide.md.
 """
-import os as _os
-import pkgutil as _pkgutil
-
-# The compiled engine (roundpipe._C) lives in the build tree's copy of this
-# package directory; both directories together form the package.
-__path__ = _pkgutil.extend_path(__path__, __name__)
-if _os.environ.get("ROUNDPIPE_EXTENSION_DIR"):
-    __path__.append(_os.path.join(_os.environ["ROUNDPIPE_EXTENSION_DIR"], "roundpipe"))
-
 import torch as _torch  # loads libtorch and its Python bindings before the engine
 
-from . import _C
+from . import _build_config
+
+
+def _check_torch():
+    """The engine is compiled against one torch: refuse any other, clearly."""
+    built, found = _build_config.torch_version, _torch.__version__
+    base = lambda v: v.split("+")[0]  # noqa: E731
+    if tuple(int(x) for x in base(found).split(".")[:2]) < (2, 4):
+        raise ImportError(f"roundpipe needs torch >= 2.4, but torch {found} is installed; "
+                          "upgrade it: pip install 'torch>=2.4'")
+    same = found == built if "+" in built else base(found) == base(built)
+    if not same:
+        raise ImportError(
+            f"roundpipe's engine (roundpipe._C) was built for torch {built}, but torch {found} is "
+            "installed. Rebuild roundpipe against this torch: in its source directory run "
+            "`pip install --no-build-isolation --force-reinstall .` (or scripts/build).")
+
+
+_check_torch()
+
+from . import _C  # noqa: E402
 from . import data, distributed, microbatch, optim, presets, safetensors, timer, trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
@@ -26,7 +37,7 @@ from .plan import ModelExecutePlan
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .run_config import RoundPipeRunConfig
 
-__version__ = "0.1.0"
+__version__ = _build_config.version
 
 
 def get_num_devices() -> int:

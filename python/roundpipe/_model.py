@@ -23,6 +23,10 @@ _live_engines = weakref.WeakSet()
 def _close_live_engines():
     for engine in list(_live_engines):
         engine.close()
+    # Models released where they could not be destroyed (on an engine thread,
+    # or under the GIL) are destroyed on another thread: let it finish while
+    # the interpreter still runs.
+    _C.wait_for_pending_destructions()
 
 
 def _engines_of(models, who):
@@ -197,6 +201,7 @@ class RoundPipe:
         and inside a step_fn."""
         if _C.optimizer_ctx_active():
             return self.optim_named_parameters(prefix, remove_duplicate)
+        self._engine.wait_published()  # not while an asynchronous step writes them
         if remove_duplicate:
             return self.model.named_parameters(prefix=prefix, recurse=recurse)
         return self._parameter_slots(prefix)
@@ -230,8 +235,10 @@ class RoundPipe:
         return self.model.training
 
     def state_dict(self, *args, **kwargs):
-        """The wrapped model's state dict (call synchronize() first for the
-        latest optimizer result)."""
+        """The wrapped model's state dict, as the latest step published it
+        (after an asynchronous step: the parameters from before it; call
+        synchronize() first for the latest optimizer result)."""
+        self._engine.wait_published()
         return self.model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict=True):

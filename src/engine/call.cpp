@@ -58,20 +58,14 @@ bool Call::failed() {
   return error_ != nullptr;
 }
 
-void Call::job_done() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++jobs_done_;
-  }
-  cv_.notify_all();
-}
+void Call::job_done() { jobs_done_.finish(); }
 
 void Call::wait_all() {
   std::exception_ptr error;
   std::string context;
+  jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return jobs_done_ == static_cast<int64_t>(jobs.size()); });
+    std::lock_guard<std::mutex> lock(mu_);
     error = error_;
     context = context_;
   }
@@ -433,10 +427,10 @@ class JobRunner {
     {
       LayerRunScope scope(&state);
       auto body = [&] { out = layer(l)->forward(dev_.index(), std::move(args), std::move(kwargs)); };
-      if (c_.preserve_rng) {
+      if (c_.preserve_rng && layer(l)->may_draw_random()) {
         run_with_random_stream(dev_.torch_device(),
                                stream_seed(c_.model.seed, c_.record->call_id, l, c_.model.microbatch_offset + m),
-                               c_.model.training, *(*c_.model.random_use)[l], body);
+                               body);
       } else {
         body();
       }

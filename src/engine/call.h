@@ -23,11 +23,11 @@
 #include "runtime/device.h"
 #include "schedule/scheduler.h"
 #include "schedule/trace.h"
+#include "util/countdown.h"
 
 namespace roundpipe {
 
 class HostStore;
-struct RandomUse;
 
 // A value handed from one job to the next (or to/from the host).
 struct Slot {
@@ -50,12 +50,10 @@ struct ModelView {
   std::string name;
   std::vector<std::shared_ptr<Layer>>* layers;
   HostStore* store;
-  std::vector<std::unique_ptr<RandomUse>>* random_use;
   uint64_t seed;
   // Added to microbatch indices in random-stream keys: with data parallelism,
   // process r's microbatch m draws as microbatch r * M + m of one process.
   int64_t microbatch_offset;
-  bool training;
   // Uploads of layer l wait until the parameters hold write `generation`
   // (the latest step's optimizer -> model copy issued before the call).
   const ParamGate* gate;
@@ -139,7 +137,7 @@ class Call {
   std::condition_variable cv_;
   std::exception_ptr error_;  // guarded by mu_
   std::string context_;       // guarded by mu_
-  int64_t jobs_done_ = 0;     // guarded by mu_
+  Countdown jobs_done_;       // the last job's finish is its last use of the call
 };
 
 // Thrown inside a job when another job of its call failed first.

@@ -5,6 +5,8 @@
 
 #include <unordered_map>
 
+#include "runtime/cuda_memory.h"
+
 namespace roundpipe {
 namespace {
 
@@ -35,8 +37,11 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pin
       hl.param_ids.push_back(it->second);
       hl.param_bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
     }
-    // Exact size (rounded to the alignment only): no power-of-two blow-up.
-    hl.arena = at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+    // Exact size (rounded to the alignment only): no power-of-two blow-up,
+    // which torch's pinned allocator would add to page-locked arenas.
+    hl.arena = pinned && cuda::built_with_cuda()
+                   ? cuda::page_locked_bytes(arena_bytes)
+                   : at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
     for (int64_t id : hl.owned) {
       HostParam& p = params_[id];
       at::Tensor view = view_in(hl.arena, id);

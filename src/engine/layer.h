@@ -37,6 +37,9 @@ class Layer {
   virtual NamedTensors named_buffers() const = 0;
   virtual bool is_training() const = 0;
   virtual void train(bool on) = 0;
+  // False only for a layer that never draws random numbers (roundpipe/layer.h,
+  // RandomFree): its runs skip the keyed generator.
+  virtual bool may_draw_random() const { return true; }
 
   // Makes replica `replica` use the given device tensors (same order as
   // named_parameters / named_buffers). Returns the tensors that receive this

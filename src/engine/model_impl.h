@@ -35,6 +35,11 @@ namespace roundpipe {
 
 class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
  public:
+  // The only way to make one: its last owner may let go on any thread.
+  static std::shared_ptr<Impl> create(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options,
+                                      torch::nn::Sequential seq);
+
+ private:
   Impl(std::vector<std::shared_ptr<Layer>> layers_in, RoundPipeOptions options,
        torch::nn::Sequential seq_in)
       : name(std::move(options.name)),
@@ -66,7 +71,6 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       });
       broadcast_model_state(*group, *store, layers, seed);  // every process starts from rank 0's state
     }
-    for (size_t i = 0; i < layers.size(); ++i) random_use.push_back(std::make_unique<RandomUse>());
     if (defaults.num_microbatch()) check_num_microbatch(*defaults.num_microbatch());
     if (defaults.execute_plan()) check_model_plan(*defaults.execute_plan());
     param_gate = std::make_unique<ParamGate>(num_layers());
@@ -75,6 +79,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     // of heap memory: give it back to the system rather than keep it resident.
     malloc_trim(0);
   }
+
+ public:
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
@@ -149,8 +155,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   std::shared_ptr<Call> new_call(int64_t m, const RunConfig& cfg) {
     auto call = std::make_shared<Call>();
-    call->model = ModelView{name, &layers, store.get(), &random_use, seed, group ? group->rank() * m : 0,
-                            is_training(), param_gate.get(), param_gate->issued()};
+    call->model = ModelView{name, &layers, store.get(), seed, group ? group->rank() * m : 0,
+                            param_gate.get(), param_gate->issued()};
     call->num_microbatch = m;
     call->grain = cfg.recompute_grain().value_or(RecomputeGrain::kStage);
     call->preserve_rng = cfg.preserve_rng_state().value_or(true);
@@ -256,6 +262,13 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   void write_model_parameters(int64_t generation);
   void step(StepFn step_fn, bool is_async);
   void synchronize();
+  // Waits until the model's parameters hold what the latest step published
+  // (its optimizer -> model write, not its step_fn), so reading them does
+  // not race with that write. Returns at once on this model's optimizer
+  // thread, where the write of a synchronous step comes after the step_fn.
+  void wait_published() const {
+    if (!optimizer_thread->on_this_thread()) param_gate->wait_all(param_gate->issued());
+  }
 
   std::mutex optim_mu;
   std::exception_ptr step_error;      // guarded by optim_mu: first error of a step_fn
@@ -270,7 +283,6 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   ModelTimer timer;
   std::array<ModelExecutePlan, 3> automatic_plans;  // [RunKind]: empty until first used
   std::unique_ptr<HostStore> store;
-  std::vector<std::unique_ptr<RandomUse>> random_use;  // [layer]
   int64_t num_devices = 1;
   uint64_t seed = 0;
   int64_t next_call_id = 0;

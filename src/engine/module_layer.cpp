@@ -34,6 +34,7 @@ class ModuleLayer final : public Layer {
   NamedTensors named_buffers() const override { return to_named(module_->named_buffers()); }
   bool is_training() const override { return module_->is_training(); }
   void train(bool on) override { module_->train(on); }
+  bool may_draw_random() const override { return dynamic_cast<const RandomFree*>(module_.get()) == nullptr; }
 
   std::vector<at::Tensor> bind(int replica, const std::vector<at::Tensor>& params,
                                const std::vector<at::Tensor>& buffers) override {

@@ -261,6 +261,7 @@ std::vector<at::Tensor> RoundPipe::optim_parameters() const {
 
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::named_parameters() const {
   if (OptimizerCtx::active()) return optim_named_parameters();
+  impl_->wait_published();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const HostParam& p : impl_->store->params()) out.emplace_back(p.name, p.master);
   return out;
@@ -273,6 +274,7 @@ std::vector<at::Tensor> RoundPipe::parameters() const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
+  impl_->wait_published();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t l = 0; l < impl_->layers.size(); ++l) {
     const std::string prefix = std::to_string(l) + ".";

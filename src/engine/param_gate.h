@@ -34,11 +34,9 @@ class ParamGate {
   }
   // Layer `layer` holds the values of write `generation`.
   void mark_written(int64_t layer, int64_t generation) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      int64_t& w = written_.at(static_cast<size_t>(layer));
-      if (generation > w) w = generation;
-    }
+    std::lock_guard<std::mutex> lock(mu_);  // notified under the lock: a waiter may free the gate next
+    int64_t& w = written_.at(static_cast<size_t>(layer));
+    if (generation > w) w = generation;
     cv_.notify_all();
   }
   // Every layer holds the values of write `generation` (also after a failed write).

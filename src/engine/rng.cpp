@@ -42,25 +42,17 @@ uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microba
   return splitmix64(h ^ static_cast<uint64_t>(microbatch)) >> 1;  // keep it positive as int64
 }
 
-void run_with_random_stream(c10::Device device, uint64_t seed, bool training, RandomUse& use,
-                            const std::function<void()>& fn) {
-  std::atomic<bool>& may_draw = use.may_draw[training ? 1 : 0];
-  if (!may_draw.load(std::memory_order_acquire)) {
-    fn();
-    return;
-  }
+void run_with_random_stream(c10::Device device, uint64_t seed, const std::function<void()>& fn) {
   std::lock_guard<std::mutex> lock(generator_lock(device));
   at::Generator gen = generator_of(device);
   at::Tensor saved = gen.get_state();
   gen.set_current_seed(seed);
-  at::Tensor seeded = gen.get_state();
   try {
     fn();
   } catch (...) {
     gen.set_state(saved);
     throw;
   }
-  if (at::equal(gen.get_state(), seeded)) may_draw.store(false, std::memory_order_release);
   gen.set_state(saved);
 }
 

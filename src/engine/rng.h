@@ -3,15 +3,15 @@
 // A layer run that may draw random numbers sets the generator of its device
 // from the key, so recomputation repeats dropout masks exactly and results do
 // not depend on which device ran a job. CPU virtual devices all share the
-// process's one CPU generator, so keyed runs on them are serialized by a lock;
-// a layer that was seen not to draw (per training mode) runs unlocked.
+// process's one CPU generator, so keyed runs on them are serialized by a lock.
+// Every run is keyed: a layer that drew nothing once may draw the next time
+// (dropout that depends on the input), so nothing is learned from a run.
 //
 // Thread-safety: thread-safe.
 #pragma once
 
 #include <c10/core/Device.h>
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -24,15 +24,8 @@ std::mutex& cpu_generator_lock();
 
 uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch);
 
-// Whether a layer may draw random numbers, learned per training mode.
-struct RandomUse {
-  std::atomic<bool> may_draw[2] = {{true}, {true}};  // [eval, train]
-};
-
-// Runs `fn` with `device`'s default generator seeded with `seed`; restores the
-// generator afterwards. If `use` says the layer does not draw, runs `fn`
-// directly; after a keyed run that drew nothing, records that.
-void run_with_random_stream(c10::Device device, uint64_t seed, bool training, RandomUse& use,
-                            const std::function<void()>& fn);
+// Runs `fn` with `device`'s default generator seeded with `seed`, holding
+// that generator's lock; restores the generator afterwards.
+void run_with_random_stream(c10::Device device, uint64_t seed, const std::function<void()>& fn);
 
 }  // namespace roundpipe

@@ -9,6 +9,7 @@
 #include "engine/call.h"
 #include "engine/checkpoint_internal.h"
 #include "engine/host_store.h"
+#include "engine/lifetime.h"
 #include "engine/model_impl.h"
 #include "engine/value_tree.h"
 #include "util/atomic_file.h"
@@ -119,6 +120,15 @@ class PipelineBackward : public torch::autograd::Node {
 
 }  // namespace
 
+// The engine's owners (the RoundPipe, forward()'s autograd nodes) may let go
+// on any thread: the last release destroys it only where that may wait for
+// its threads (engine/lifetime.h).
+std::shared_ptr<RoundPipe::Impl> RoundPipe::Impl::create(std::vector<std::shared_ptr<Layer>> layers,
+                                                         RoundPipeOptions options, torch::nn::Sequential seq) {
+  return std::shared_ptr<Impl>(new Impl(std::move(layers), std::move(options), std::move(seq)),
+                               [](Impl* impl) { destroy_where_allowed([impl] { delete impl; }); });
+}
+
 RoundRobin& RoundPipe::Impl::round_robin() {
   static RoundRobin instance(DevicePool::instance().size());
   return instance;
@@ -131,7 +141,7 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
     std::vector<std::shared_ptr<Layer>> layers;
     int64_t i = 0;
     for (const auto& any : *model) layers.push_back(make_module_layer(any, i++));
-    return std::make_shared<Impl>(std::move(layers), std::move(options), model);
+    return Impl::create(std::move(layers), std::move(options), model);
   });
   detail::note_live_model(impl_);
 }
@@ -150,8 +160,7 @@ std::vector<std::shared_ptr<Layer>> checked_layers(std::vector<std::shared_ptr<L
 RoundPipe::RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options) {
   const std::string name = options.name;
   impl_ = checking_arguments(name, "constructor", [&] {
-    return std::make_shared<Impl>(checked_layers(std::move(layers)), std::move(options),
-                                  torch::nn::Sequential(nullptr));
+    return Impl::create(checked_layers(std::move(layers)), std::move(options), torch::nn::Sequential(nullptr));
   });
   detail::note_live_model(impl_);  // found by tensor for the language bindings' checkpoints
 }

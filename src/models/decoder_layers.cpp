@@ -1,6 +1,7 @@
 // The layers of the decoder presets: RMSNorm, rotary embeddings, attention,
 // MLP, and the embedding / block / head value layers.
 #include <ATen/ATen.h>
+#include <torch/version.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -169,17 +170,19 @@ at::Tensor DecoderAttentionImpl::forward(const at::Tensor& hidden, const at::Ten
   q = apply_rotary(q.transpose(1, 2), cos, sin);  // [B, H, T, hd]
   k = apply_rotary(k.transpose(1, 2), cos, sin);  // [B, KV, T, hd]
   v = v.transpose(1, 2);
+  // Causal attention through torch's fused kernels (flash / memory-efficient
+  // on GPUs): no T x T score matrix is kept for backward.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  at::Tensor out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                    /*is_causal=*/true, /*scale=*/c10::nullopt,
+                                                    /*enable_gqa=*/kv != h);  // [B, H, T, hd]
+#else
   if (kv != h) {  // grouped-query: query head j reads kv head j / (H / KV)
     k = k.repeat_interleave(h / kv, 1);
     v = v.repeat_interleave(h / kv, 1);
   }
-  at::Tensor scores =
-      at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(double(hd)));  // [B, H, T, T]
-  at::Tensor future =
-      at::ones({t, t}, at::TensorOptions().dtype(at::kBool).device(hidden.device())).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  at::Tensor probs = at::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
-  at::Tensor out = at::matmul(probs, v);  // [B, H, T, hd]
+  at::Tensor out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#endif
   return o_proj(out.transpose(1, 2).reshape({b, t, h * hd}));
 }
 

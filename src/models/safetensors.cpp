@@ -21,10 +21,6 @@
 #error "safetensors I/O assumes a little-endian host"
 #endif
 
-#define ROUNDPIPE_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||            \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
-
 namespace roundpipe {
 namespace {
 
@@ -44,15 +40,11 @@ constexpr DtypeMapping kDtypeMappings[] = {
     {"I8", at::kChar},
     {"U8", at::kByte},
     {"BOOL", at::kBool},
-#if ROUNDPIPE_TORCH_AT_LEAST(2, 1)
     {"F8_E4M3", c10::ScalarType::Float8_e4m3fn},
     {"F8_E5M2", c10::ScalarType::Float8_e5m2},
-#endif
-#if ROUNDPIPE_TORCH_AT_LEAST(2, 3)
     {"U16", c10::ScalarType::UInt16},
     {"U32", c10::ScalarType::UInt32},
     {"U64", c10::ScalarType::UInt64},
-#endif
 };
 
 bool scalar_type_of(const std::string& name, at::ScalarType* out) {

@@ -4,24 +4,12 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
-#include <sstream>
+#include <ostream>
 
 namespace roundpipe {
 namespace optim {
 namespace detail {
 namespace {
-
-// libtorch 1.x: c10::guts::to_string(impl), i.e. the pointer streamed.
-[[maybe_unused]] void make_key(const at::Tensor& param, std::string* key) {
-  std::ostringstream out;
-  out << param.unsafeGetTensorImpl();
-  *key = out.str();
-}
-
-// libtorch 2.x: the TensorImpl pointer itself.
-[[maybe_unused]] void make_key(const at::Tensor& param, void** key) {
-  *key = param.unsafeGetTensorImpl();
-}
 
 // The checks every tensor of an update shares.
 void check_float_cpu_dense(const ParamRef& ref, const char* what, const at::Tensor& t) {
@@ -37,11 +25,7 @@ void check_float_cpu_dense(const ParamRef& ref, const char* what, const at::Tens
 
 }  // namespace
 
-StateKey state_key(const at::Tensor& param) {
-  StateKey key{};
-  make_key(param, &key);
-  return key;
-}
+StateKey state_key(const at::Tensor& param) { return param.unsafeGetTensorImpl(); }
 
 std::ostream& operator<<(std::ostream& out, const ParamRef& ref) {
   return out << "roundpipe::optim::" << ref.optimizer << ": parameter " << ref.index << " (group "

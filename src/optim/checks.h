@@ -19,11 +19,8 @@ namespace roundpipe {
 namespace optim {
 namespace detail {
 
-// Optimizer::state() is keyed by a string in libtorch 1.x and by the
-// TensorImpl pointer in 2.x; StateKey is whichever this libtorch uses.
-using StateMap =
-    std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
-using StateKey = typename StateMap::key_type;
+// Optimizer::state() is keyed by the parameter's TensorImpl pointer.
+using StateKey = void*;
 
 // The key libtorch's own optimizers use for `param`.
 StateKey state_key(const at::Tensor& param);

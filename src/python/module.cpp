@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "engine/layer.h"
+#include "engine/lifetime.h"
 #include "python/native_module.h"
 #include "python/py_layer.h"
 #include "python/python_common.h"
@@ -53,17 +54,21 @@ class Engine {
       TORCH_CHECK_TYPE(THPDtype_Check(optim_dtype.ptr()), "optim_dtype must be a torch.dtype or None");
       options.optim_dtype = reinterpret_cast<THPDtype*>(optim_dtype.ptr())->scalar_type;
     }
-    std::vector<std::shared_ptr<Layer>> layers;
+    std::vector<std::shared_ptr<Layer>> layers(modules.size());
+    std::vector<std::pair<size_t, torch::nn::AnyModule>> natives;
     for (size_t i = 0; i < modules.size(); ++i) {
-      if (auto native = native_layer(modules[i], static_cast<int64_t>(i))) {
-        layers.push_back(std::move(native));
+      if (auto native = native_module_of(modules[i])) {
+        natives.emplace_back(i, std::move(*native));
         continue;
       }
       auto layer = make_py_layer(modules[i], static_cast<int64_t>(i));
       py_layers_.push_back(layer);
-      layers.push_back(std::move(layer));
+      layers[i] = std::move(layer);
     }
-    py::gil_scoped_release nogil;  // packing the arenas may take a while
+    // Lock order: the generator lock (taken to clone native layers, and by
+    // the engine's constructor) is never taken while holding the GIL.
+    py::gil_scoped_release nogil;
+    for (auto& [i, any] : natives) layers[i] = make_module_layer(std::move(any), static_cast<int64_t>(i));
     model_ = std::make_unique<RoundPipe>(std::move(layers), std::move(options));
   }
 
@@ -115,6 +120,13 @@ class Engine {
   void synchronize() {
     py::gil_scoped_release nogil;
     model().synchronize();
+  }
+
+  // Until the parameters hold what the latest step published (before
+  // Python reads them: state_dict(), parameters()).
+  void wait_published() {
+    py::gil_scoped_release nogil;
+    model().state_dict();  // waits for that
   }
 
   void refresh_optimizer_copies() {
@@ -236,10 +248,15 @@ void translate_errors(std::exception_ptr error) {
   }
 }
 
+// A thread holding the GIL must not wait for engine threads (their Python
+// work needs it): a model released there is destroyed by the reaper.
+bool holds_gil() { return Py_IsInitialized() && PyGILState_Check() == 1; }
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "The roundpipe engine (C++); use the roundpipe package.";
+  set_wait_forbidden_check(&holds_gil);
   py::register_exception_translator(&translate_errors);
   bind_values(m);
   bind_optim(m);
@@ -257,6 +274,7 @@ PYBIND11_MODULE(_C, m) {
       .def("forward_backward", &Engine::forward_backward)
       .def("step", &Engine::step)
       .def("synchronize", &Engine::synchronize)
+      .def("wait_published", &Engine::wait_published)
       .def("refresh_optimizer_copies", &Engine::refresh_optimizer_copies)
       .def("optim_named_parameters", &Engine::optim_named_parameters)
       .def("train", &Engine::train)
@@ -277,6 +295,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("tracing", &tracing);
   m.def("get_num_devices", &get_num_devices, py::call_guard<py::gil_scoped_release>());
   m.def("get_device_names", &get_device_names, py::call_guard<py::gil_scoped_release>());
+  m.def("wait_for_pending_destructions", &wait_for_pending_destructions,
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_sync_warmup_steps", &set_sync_warmup_steps);
   m.def("get_sync_warmup_steps", &get_sync_warmup_steps);
 

@@ -18,9 +18,11 @@ struct NativeModule {
   torch::nn::AnyModule any;
 };
 
-// The engine layer of Python layer `module` at `index` when it wraps a
-// NativeModule (attribute `_roundpipe_native`), else nullptr.
-std::shared_ptr<Layer> native_layer(const py::handle& module, int64_t index);
+// The C++ module of Python layer `module` when it wraps a NativeModule
+// (attribute `_roundpipe_native`), else none. GIL held. Make its engine layer
+// (make_module_layer) without the GIL: that takes the generator lock, which
+// device workers hold while they wait for the GIL.
+c10::optional<torch::nn::AnyModule> native_module_of(const py::handle& module);
 
 // roundpipe._C.NativeModule, DecoderConfig and the preset builders.
 void bind_presets(py::module_& m);

@@ -56,10 +56,10 @@ int64_t apply_lora_py(const py::list& natives, const LoraConfig& config) {
 
 }  // namespace
 
-std::shared_ptr<Layer> native_layer(const py::handle& module, int64_t index) {
+c10::optional<torch::nn::AnyModule> native_module_of(const py::handle& module) {
   py::object native = py::getattr(module, "_roundpipe_native", py::none());
-  if (native.is_none()) return nullptr;
-  return make_module_layer(native.cast<NativeModule&>().any, index);
+  if (native.is_none()) return c10::nullopt;
+  return native.cast<NativeModule&>().any;
 }
 
 void bind_presets(py::module_& m) {

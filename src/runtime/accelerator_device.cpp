@@ -6,12 +6,10 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <torch/version.h>
-
 #include <array>
 #include <atomic>
-#include <thread>
 
+#include "runtime/cuda_memory.h"
 #include "runtime/device.h"
 
 namespace roundpipe {
@@ -23,22 +21,14 @@ class EventFence final : public Fence {
       : event_(stream.device_type(), c10::EventFlag::PYTORCH_DEFAULT) {
     event_.record(stream);
   }
-  void synchronize() const override {
-#if TORCH_VERSION_MAJOR >= 2
-    event_.synchronize();
-#else
-    while (!event_.query()) std::this_thread::yield();  // 1.x has no Event::synchronize
-#endif
-  }
+  void synchronize() const override { event_.synchronize(); }
   void block(const c10::Stream& stream) const { event_.block(stream); }
 
  private:
   c10::Event event_;
 };
 
-// A timing event recorded on a lane's stream. Device time between two marks
-// where the backend can measure it (torch >= 2.4), else the host time between
-// the records.
+// A timing event recorded on a lane's stream: device time between two marks.
 class EventMark final : public TimeMark {
  public:
   explicit EventMark(const c10::Stream& stream)
@@ -46,13 +36,11 @@ class EventMark final : public TimeMark {
     event_.record(stream);
   }
   double ms_since(const TimeMark& earlier) const override {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
     if (auto* e = dynamic_cast<const EventMark*>(&earlier)) {
       e->event_.synchronize();
       event_.synchronize();
       return e->event_.elapsedTime(event_);
     }
-#endif
     return TimeMark::ms_since(earlier);
   }
 
@@ -71,11 +59,17 @@ class AcceleratorDevice final : public Device {
   ~AcceleratorDevice() override { stop_worker(); }
 
   c10::Device torch_device() const override { return device_; }
-  // Not measured by this backend yet (the caching allocator's statistics
-  // need the backend's own headers): always 0.
-  int64_t memory_allocated() const override { return counter_.current(); }
-  int64_t max_memory_allocated() const override { return counter_.peak(); }
-  void reset_peak_memory() override { counter_.reset_peak(); }
+  // The caching allocator's statistics (CUDA); other backends are not
+  // measured (0).
+  int64_t memory_allocated() const override {
+    return is_cuda() ? cuda::allocated_bytes(device_.index()) : 0;
+  }
+  int64_t max_memory_allocated() const override {
+    return is_cuda() ? cuda::peak_allocated_bytes(device_.index()) : 0;
+  }
+  void reset_peak_memory() override {
+    if (is_cuda()) cuda::reset_peak_allocated_bytes(device_.index());
+  }
 
   at::Tensor upload(const at::Tensor& host, Lane lane, const FencePtr& after) override {
     const c10::Stream& stream = streams_[static_cast<int>(lane)];
@@ -130,6 +124,7 @@ class AcceleratorDevice final : public Device {
 
  private:
   const c10::Stream& compute_stream() const { return streams_[static_cast<int>(Lane::kCompute)]; }
+  bool is_cuda() const { return device_.is_cuda() && cuda::built_with_cuda(); }
   static void wait_on(const FencePtr& fence, const c10::Stream& stream) {
     if (auto* event = dynamic_cast<const EventFence*>(fence.get())) {
       event->block(stream);
@@ -144,7 +139,6 @@ class AcceleratorDevice final : public Device {
        c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)),
        c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)),
        c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU))}};
-  MemoryCounter counter_;
 };
 
 }  // namespace

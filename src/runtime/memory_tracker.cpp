@@ -5,8 +5,6 @@
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <c10/util/Exception.h>
-#include <torch/version.h>
-
 #include <mutex>
 
 namespace roundpipe {
@@ -32,18 +30,9 @@ void free_block(void* data) {
   c10::free_cpu(base);
 }
 
-// libtorch 2.3 made allocate() non-const and added copy_data().
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define ROUNDPIPE_ALLOCATE_CONST
-#define ROUNDPIPE_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define ROUNDPIPE_ALLOCATE_CONST const
-#define ROUNDPIPE_ALLOCATOR_HAS_COPY_DATA 0
-#endif
-
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t nbytes) ROUNDPIPE_ALLOCATE_CONST override {
+  c10::DataPtr allocate(size_t nbytes) override {
     if (tls_counter != nullptr) tls_counter->add(static_cast<int64_t>(nbytes));  // may throw: nothing held yet
     auto* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeaderBytes));
     auto* header = reinterpret_cast<BlockHeader*>(base);
@@ -53,11 +42,9 @@ class TrackingCpuAllocator final : public c10::Allocator {
     return {data, data, &free_block, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
-#if ROUNDPIPE_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
-#endif
 };
 
 }  // namespace

@@ -1,13 +1,28 @@
 #include "util/worker_thread.h"
 
+#include <cstdio>
+#include <exception>
 #include <utility>
 
 namespace roundpipe {
+namespace {
+
+thread_local bool is_worker_thread = false;
+
+}  // namespace
+
+bool WorkerThread::on_a_worker_thread() { return is_worker_thread; }
 
 WorkerThread::WorkerThread(std::function<void()> init)
     : thread_([this, init = std::move(init)] { loop(init); }) {}
 
 WorkerThread::~WorkerThread() {
+  if (on_this_thread()) {
+    // A bug in the owner, not a user error: say so before the process ends
+    // (std::thread would end it with "Resource deadlock avoided").
+    std::fputs("roundpipe: internal error: a worker thread was destroyed on its own thread\n", stderr);
+    std::terminate();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -25,6 +40,7 @@ void WorkerThread::post(std::function<void()> task) {
 }
 
 void WorkerThread::loop(const std::function<void()>& init) {
+  is_worker_thread = true;
   if (init) init();
   for (;;) {
     std::function<void()> task;

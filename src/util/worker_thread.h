@@ -1,7 +1,10 @@
 // A thread that runs closures in FIFO order.
 //
 // Thread-safety: post() is thread-safe. The thread is owned by the object:
-// the destructor runs every task already posted, then joins.
+// the destructor runs every task already posted, then joins. The destructor
+// must not run on the worker's own thread (it cannot join itself): owners
+// that may be released there hand their destruction to another thread
+// (engine/lifetime.h).
 #pragma once
 
 #include <condition_variable>
@@ -25,6 +28,8 @@ class WorkerThread {
   void post(std::function<void()> task);
   // True when called from this worker's thread.
   bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // True when called from the thread of any WorkerThread.
+  static bool on_a_worker_thread();
 
  private:
   void loop(const std::function<void()>& init);

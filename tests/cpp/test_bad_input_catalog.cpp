@@ -161,7 +161,7 @@ struct ModelFixture {
     for (const auto& [name, t] : model.optim_named_parameters()) {
       add("copy " + name, t);
       add("copy grad " + name, t.grad());
-      auto it = opt.state().find(c10::guts::to_string(t.unsafeGetTensorImpl()));
+      auto it = opt.state().find(t.unsafeGetTensorImpl());
       if (it == opt.state().end()) continue;
       const auto& s = static_cast<const torch::optim::AdamParamState&>(*it->second);
       add("adam exp_avg " + name, s.exp_avg());

@@ -207,11 +207,6 @@ std::vector<Malformed> malformed_files() {
         {"long hostile name",
          st_file("{\"" + std::string(10000, 'n') + "\": 1}"),
          {"tensor \"nnnn", "...\": the entry must be an object"}},
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
-        {"float8 on this libtorch",
-         st_file("{" + entry("a", "F8_E4M3", "[8]", "[0, 8]") + "}", f2),
-         {"tensor 'a' has dtype F8_E4M3", "does not support"}},
-#endif
   };
 }
 

@@ -1,0 +1,35 @@
+// What the accelerator backend needs from CUDA beyond c10's device-generic
+// API: page-locked host memory of an exact size (torch's pinned allocator
+// rounds every block up to a power of two) and the caching allocator's
+// statistics. Built from cuda_memory.cpp against a CUDA torch, else from
+// cuda_memory_unavailable.cpp, whose functions say CUDA is not built in.
+//
+// Thread-safety: thread-safe.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace roundpipe {
+namespace cuda {
+
+// True when roundpipe was built against a CUDA torch (whether or not a GPU
+// is present).
+bool built_with_cuda();
+
+// A uint8 CPU tensor of exactly `bytes` bytes of page-locked memory
+// (cudaHostAlloc), freed when its storage goes. c10::Error if CUDA refuses.
+at::Tensor page_locked_bytes(int64_t bytes);
+
+// True when `ptr` lies in page-locked host memory known to CUDA.
+bool is_page_locked(const void* ptr);
+
+// The caching allocator's bytes in use on CUDA device `index`, now and at
+// the peak since the last reset.
+int64_t allocated_bytes(int index);
+int64_t peak_allocated_bytes(int index);
+void reset_peak_allocated_bytes(int index);
+
+}  // namespace cuda
+}  // namespace roundpipe
