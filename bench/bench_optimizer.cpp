@@ -1,20 +1,25 @@
-// B1: roundpipe's CPU Adam / AdamW / SGD against (a) a STREAM triad measured in
-// the same process (the memory-bandwidth limit) and (b) libtorch's optimizers
-// on the same tensors. Every repetition runs all kernels once, in a fixed
-// order (strict alternation); the table shows medians after one warm-up round.
+// B1: roundpipe's CPU Adam / AdamW / SGD against (a) a hand-written
+// multithreaded STREAM triad measured in the same process (the memory-bandwidth
+// limit) and (b) torch's fused CPU optimizers (the kernels behind
+// torch.optim.Adam/AdamW/SGD(..., fused=True)) on equal tensors. Every
+// repetition runs all kernels once, in a fixed order (strict alternation); the
+// table shows medians after one warm-up round.
 //
 // Environment (defaults = the BENCHMARKS.md size):
 //   ROUNDPIPE_B1_ELEMENTS  total fp32 parameter elements (default 64Mi)
 //   ROUNDPIPE_B1_TENSORS   number of equal tensors (default 16)
 //   ROUNDPIPE_B1_REPS      timed repetitions, >= 5 (default 9)
-//   ROUNDPIPE_B1_THREADS   intra-op threads for every side (default: all cores)
+//   ROUNDPIPE_B1_THREADS   threads for every side: intra-op threads, triad threads
+//                          (default: all cores)
 //   ROUNDPIPE_SIMD         force roundpipe's kernels: scalar | avx2 | avx512
 #include <ATen/Parallel.h>
 #include <malloc.h>
 #include <roundpipe/optim/adam.h>
 #include <roundpipe/optim/sgd.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -40,8 +45,64 @@ struct Kernel {
   double bytes_per_element;  // nominal traffic per counted element
   int64_t elements;
   std::function<void()> run;
-  int torch_peer = -1;  // index of the libtorch kernel it is compared with
+  int torch_peer = -1;  // index of the torch kernel it is compared with
   std::vector<double> times;
+};
+
+// STREAM triad a = b + s * c over `threads` threads, each on its own
+// contiguous chunk: plain loops the compiler vectorizes, no library between
+// the loop and memory.
+void triad(float* a, const float* b, const float* c, float s, int64_t n, int64_t threads) {
+  std::vector<std::thread> pool;
+  const int64_t chunk = (n + threads - 1) / threads;
+  for (int64_t t = 0; t < threads; ++t) {
+    const int64_t begin = t * chunk, end = std::min(n, begin + chunk);
+    pool.emplace_back([=] {
+      for (int64_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+// torch's fused CPU Adam / AdamW (what torch.optim.Adam(fused=True).step()
+// runs: the step counters, then one fused kernel) on its own state.
+struct TorchFusedAdam {
+  std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+  bool decoupled;
+  TorchFusedAdam(const std::vector<at::Tensor>& p, bool adamw) : decoupled(adamw) {
+    for (const auto& t : p) {
+      params.push_back(t.detach());
+      grads.push_back(t.grad());
+      exp_avg.push_back(at::zeros_like(t));
+      exp_avg_sq.push_back(at::zeros_like(t));
+      steps.push_back(at::zeros({}, at::kFloat));
+    }
+  }
+  void step() {
+    at::_foreach_add_(steps, 1);
+    if (decoupled) {
+      at::_fused_adamw_(params, grads, exp_avg, exp_avg_sq, {}, steps, 1e-4, 0.9, 0.999, 1e-2, 1e-8, false, false);
+    } else {
+      at::_fused_adam_(params, grads, exp_avg, exp_avg_sq, {}, steps, 1e-4, 0.9, 0.999, 0.0, 1e-8, false, false);
+    }
+  }
+};
+
+// torch's fused CPU SGD with momentum (torch.optim.SGD(fused=True)).
+struct TorchFusedSgd {
+  std::vector<at::Tensor> params, grads, momentum;
+  bool first = true;
+  explicit TorchFusedSgd(const std::vector<at::Tensor>& p) {
+    for (const auto& t : p) {
+      params.push_back(t.detach());
+      grads.push_back(t.grad());
+      momentum.push_back(at::zeros_like(t));
+    }
+  }
+  void step() {
+    at::_fused_sgd_(params, grads, momentum, 0.0, 0.9, 1e-4, 0.0, false, false, first);
+    first = false;
+  }
 };
 
 }  // namespace
@@ -70,42 +131,39 @@ int main() {
   }
   // Triad arrays sized so that one triad pass moves what one Adam step moves.
   const int64_t triad_n = n * 28 / 12;
-  torch::Tensor ta = torch::zeros({triad_n}), tb = torch::ones({triad_n}),
-                tc = torch::full({triad_n}, 2.0f);
+  std::vector<float> ta(triad_n, 0.0f), tb(triad_n, 1.0f), tc(triad_n, 2.0f);
 
+  // torch's kernels run on their own copies (same values), so both sides
+  // update state of the same size.
+  std::vector<torch::Tensor> torch_params;
+  for (const auto& p : params) {
+    torch_params.push_back(p.detach().clone().requires_grad_(true));
+    torch_params.back().mutable_grad() = p.grad().clone();
+  }
   roundpipe::optim::Adam adam(params, roundpipe::optim::AdamOptions(1e-4));
-  torch::optim::Adam torch_adam(params, torch::optim::AdamOptions(1e-4));
+  TorchFusedAdam torch_adam(torch_params, /*adamw=*/false);
   roundpipe::optim::AdamW adamw(params, roundpipe::optim::AdamWOptions(1e-4));
-  torch::optim::AdamW torch_adamw(params, torch::optim::AdamWOptions(1e-4));
+  TorchFusedAdam torch_adamw(torch_params, /*adamw=*/true);
   roundpipe::optim::Adam adam_bf16(params, roundpipe::optim::AdamOptions(1e-4));
   roundpipe::optim::SGD sgd(params, roundpipe::optim::SGDOptions(1e-4).momentum(0.9));
-  torch::optim::SGD torch_sgd(params, torch::optim::SGDOptions(1e-4).momentum(0.9));
-  // The common recipe (e.g. ResNet): momentum plus weight decay.
-  roundpipe::optim::SGD sgd_wd(params,
-                               roundpipe::optim::SGDOptions(1e-4).momentum(0.9).weight_decay(1e-4));
-  torch::optim::SGD torch_sgd_wd(params,
-                                 torch::optim::SGDOptions(1e-4).momentum(0.9).weight_decay(1e-4));
+  TorchFusedSgd torch_sgd(torch_params);
 
   std::vector<Kernel> kernels;
-  // Rows: name, counted bytes per element, elements, index of the libtorch row
+  // Rows: name, counted bytes per element, elements, index of the torch row
   // it is compared with (-1: none), the work.
   auto add = [&](const char* name, double bytes, int64_t elements, int torch_peer,
                  std::function<void()> run) {
     kernels.push_back({name, bytes, elements, std::move(run), torch_peer, {}});
   };
-  // STREAM triad a = b + s * c: libtorch's vectorized add with alpha, run on
-  // the same intra-op pool as everything else (at::parallel_for itself is
-  // serial in code built without -fopenmp, such as this file).
-  add("triad a=b+s*c", 12, triad_n, -1, [&] { at::add_out(ta, tb, tc, 3.0); });
+  add("triad a=b+s*c (threads)", 12, triad_n, -1,
+      [&] { triad(ta.data(), tb.data(), tc.data(), 3.0f, triad_n, threads); });
   add("roundpipe Adam", 28, n, 2, [&] { adam.step(); });                                     // 1
-  add("libtorch Adam", 28, n, -1, [&] { torch_adam.step(); });                               // 2
+  add("torch fused Adam", 28, n, -1, [&] { torch_adam.step(); });                            // 2
   add("roundpipe AdamW", 28, n, 4, [&] { adamw.step(); });                                   // 3
-  add("libtorch AdamW", 28, n, -1, [&] { torch_adamw.step(); });                             // 4
+  add("torch fused AdamW", 28, n, -1, [&] { torch_adamw.step(); });                          // 4
   add("roundpipe SGD m=0.9", 20, n, 6, [&] { sgd.step(); });                                 // 5
-  add("libtorch SGD m=0.9", 20, n, -1, [&] { torch_sgd.step(); });                           // 6
-  add("roundpipe SGD m=0.9 wd", 20, n, 8, [&] { sgd_wd.step(); });                           // 7
-  add("libtorch SGD m=0.9 wd", 20, n, -1, [&] { torch_sgd_wd.step(); });                     // 8
-  add("roundpipe Adam+bf16 copy", 30, n, -1, [&] { adam_bf16.step_with_lowp_copy(lowp); });  // 9
+  add("torch fused SGD m=0.9", 20, n, -1, [&] { torch_sgd.step(); });                        // 6
+  add("roundpipe Adam+bf16 copy", 30, n, -1, [&] { adam_bf16.step_with_lowp_copy(lowp); });  // 7
 
   std::printf("B1 optimizer step: %lld fp32 elements in %lld tensors, %lld reps (median)\n",
               static_cast<long long>(n), static_cast<long long>(num_tensors),
@@ -119,10 +177,10 @@ int main() {
   std::printf(
       "bytes per element (GB/s column): Adam 28 (rd p,g,m,v; wr p,m,v), +2 with a bf16 copy, "
       "SGD+momentum 20; triad 12 (STREAM convention, write-allocate not counted) over %lld "
-      "elements\n"
-      "libtorch's passes move about: Adam 80, AdamW 88, SGD+momentum 32, SGD+momentum+wd 44 "
-      "B/element, which bounds a one-pass kernel's speedup at ~2.9x, 3.1x, 1.6x, 2.2x\n",
-      static_cast<long long>(triad_n));
+      "elements, %lld threads\n"
+      "torch fused: at::_fused_adam_ / _fused_adamw_ / _fused_sgd_ of torch %s (the step counters "
+      "incremented first, as torch.optim does)\n",
+      static_cast<long long>(triad_n), static_cast<long long>(threads), TORCH_VERSION);
   std::fflush(stdout);
 
   for (int64_t rep = 0; rep <= reps; ++rep) {  // rep 0: warm-up (state, page faults)
@@ -134,7 +192,7 @@ int main() {
 
   const double triad_gbps = 12.0 * triad_n / median(kernels[0].times) / 1e9;
   std::printf("\n| %-26s | %9s | %8s | %7s | %8s | %11s |\n", "kernel", "ms", "ns/elem", "GB/s",
-              "vs triad", "vs libtorch");
+              "vs triad", "vs torch");
   std::printf("|%s|%s|%s|%s|%s|%s|\n", std::string(28, '-').c_str(), std::string(11, '-').c_str(),
               std::string(10, '-').c_str(), std::string(9, '-').c_str(),
               std::string(10, '-').c_str(), std::string(13, '-').c_str());
@@ -152,11 +210,11 @@ int main() {
                 t * 1e9 / k.elements, gbps[i], gbps[i] / triad_gbps, vs_torch);
   }
   std::printf(
-      "\nRESULT id=B1 adam_vs_triad=%.3f adam_vs_torch=%.2f adamw_vs_torch=%.2f "
-      "sgd_vs_torch=%.2f sgd_wd_vs_torch=%.2f adam_bf16_vs_triad=%.3f sgd_vs_triad=%.3f "
-      "triad_gbps=%.2f adam_gbps=%.2f threads=%d isa=%s\n",
-      gbps[1] / triad_gbps, speedup[1], speedup[3], speedup[5], speedup[7], gbps[9] / triad_gbps,
-      gbps[5] / triad_gbps, triad_gbps, gbps[1], at::get_num_threads(),
-      roundpipe::optim::kernels::isa_name(roundpipe::optim::kernels::active_isa()));
+      "\nRESULT id=B1 adam_vs_triad=%.3f adam_vs_torch_fused=%.2f adamw_vs_torch_fused=%.2f "
+      "sgd_vs_torch_fused=%.2f adam_bf16_vs_triad=%.3f sgd_vs_triad=%.3f triad_gbps=%.2f adam_gbps=%.2f "
+      "threads=%d isa=%s torch=%s\n",
+      gbps[1] / triad_gbps, speedup[1], speedup[3], speedup[5], gbps[7] / triad_gbps, gbps[5] / triad_gbps,
+      triad_gbps, gbps[1], at::get_num_threads(),
+      roundpipe::optim::kernels::isa_name(roundpipe::optim::kernels::active_isa()), TORCH_VERSION);
   return 0;
 }

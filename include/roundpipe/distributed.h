@@ -31,12 +31,17 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
 
 namespace roundpipe {
 
@@ -77,13 +82,21 @@ enum class GradientReduction {
 };
 
 // Processes that run collectives on host tensors together: c10d's Gloo
-// backend over TCP.
+// backend over TCP, or any c10d process group made elsewhere.
 class ProcessGroup {
  public:
   // Meets the other processes (blocks until all arrived or the timeout).
   // Throws c10::ValueError for bad options or a missing environment
   // variable, c10::Error when the peers cannot be reached in time.
   static std::shared_ptr<ProcessGroup> create(ProcessGroupOptions options = {});
+  // Uses a c10d process group made elsewhere: torch.distributed's (what
+  // init_process_group returns, and DDP and FSDP take) or one made in C++.
+  // Gloo groups reduce the host tensors in place; groups whose backend works
+  // on CUDA tensors only (NCCL) get each tensor copied to the current CUDA
+  // device and back. `timeout` is what the group's own collectives wait
+  // (for messages). c10::ValueError for a null group.
+  static std::shared_ptr<ProcessGroup> wrap(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                            std::chrono::milliseconds timeout = std::chrono::minutes(30));
   ~ProcessGroup();
 
   int64_t rank() const;

@@ -85,8 +85,14 @@ class RoundPipe:
         if pin_model not in _PIN_MODES:
             raise ValueError(f"RoundPipe: pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
         if process_group is not None and not isinstance(process_group, _C.ProcessGroup):
-            raise TypeError("RoundPipe: process_group must be a roundpipe.distributed.ProcessGroup "
-                            f"(from init_process_group) or None, got {type(process_group).__name__}")
+            from .distributed import _from_torch_group
+            converted = _from_torch_group(process_group)
+            if converted is None:
+                raise TypeError("RoundPipe: process_group must be a torch.distributed ProcessGroup (e.g. "
+                                "torch.distributed.group.WORLD after init_process_group), a "
+                                "roundpipe.distributed.ProcessGroup, or None; got "
+                                f"{type(process_group).__name__}")
+            process_group = converted
         if gradient_reduction not in ("sum", "mean"):
             raise ValueError(f"RoundPipe: gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
         if model_run_config is None:

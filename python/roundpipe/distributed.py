@@ -11,6 +11,11 @@ the hand-off) before ``step_fn``, so all processes apply the same update::
         loss = model.forward_backward(x, label=y, loss_fn=loss_fn)
         model.step(step_fn)
 
+Or use the processes' torch.distributed group, as DDP and FSDP do::
+
+    torch.distributed.init_process_group("gloo")         # e.g. under torchrun
+    model = RoundPipe(net, process_group=torch.distributed.group.WORLD)
+
 With ``gradient_reduction="sum"`` (the default) gradients are summed over
 processes, as they are over microbatches: W processes that each split their
 share into M microbatches train exactly like one process running all W * M
@@ -36,6 +41,21 @@ ProcessGroup.__doc__ = """Processes that run collectives together (c10d Gloo ove
 (in place), ``broadcast(tensor, root, what)``, ``barrier(what)`` on contiguous
 CPU tensors. Called outside a ``step_fn``, these first wait for the model's
 queued steps, so that they come after the same steps on every process."""
+
+
+def _from_torch_group(group):
+    """A roundpipe ProcessGroup over torch.distributed ``group`` (a c10d
+    ProcessGroup: Gloo, or NCCL with host tensors staged through the current
+    CUDA device), or None if ``group`` is not one."""
+    import torch.distributed as dist
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_timeout
+        timeout = _get_default_timeout(dist.get_backend(group)).total_seconds()
+    except Exception:  # private helper moved: torch's documented default
+        timeout = 30 * 60.0
+    return _C.wrap_process_group(group, timeout)
 
 
 def is_available() -> bool:

@@ -1,9 +1,10 @@
-// ProcessGroup on c10d's Gloo backend: a TCP or file store to meet, Gloo
-// collectives on host tensors.
+// ProcessGroup on c10d: its own Gloo backend (a TCP or file store to meet,
+// Gloo collectives on host tensors), or a c10d process group made elsewhere.
 #include "roundpipe/distributed.h"
 
 #include "engine/optimizer_thread.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -73,7 +74,10 @@ class ProcessGroup::Impl {
   int64_t world_size = 1;
   std::chrono::milliseconds timeout{};
   c10::intrusive_ptr<c10d::Store> store;
+  // One of the two: the Gloo backend made by create(), or a wrapped group.
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<c10d::ProcessGroup> wrapped;
+  bool stage_on_cuda = false;  // the wrapped group works on CUDA tensors only (NCCL)
   std::mutex mu;          // orders the starts of collectives issued by several threads
   std::string model;      // the model served (guarded by mu)
   std::function<void()> drain;  // waits for the served model's queued steps (guarded by mu)
@@ -91,6 +95,21 @@ class ProcessGroup::Impl {
     return c10::str("data parallel: ", what, " failed on rank ", rank, " of ", world_size,
                     " (a peer process may have died, or not answered within the timeout of ",
                     static_cast<double>(timeout.count()) / 1000.0, " s): ");
+  }
+
+  // Runs fn(backend) with whichever backend this group has (both have
+  // c10d's collective methods).
+  template <typename Fn>
+  auto on_backend(Fn&& fn) {
+    return gloo ? fn(*gloo) : fn(*wrapped);
+  }
+
+  // The tensor a collective runs on: `host` itself, or its copy on the
+  // current CUDA device for groups that work on CUDA tensors only.
+  at::Tensor staged(const at::Tensor& host) const {
+    if (!stage_on_cuda) return host;
+    const c10::Device device = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice();
+    return host.to(device, /*non_blocking=*/false, /*copy=*/true);
   }
 
   template <typename Start>
@@ -112,14 +131,21 @@ class ProcessGroup::Impl {
 
 namespace {
 
-template <typename WorkPtr>
-class GlooWork : public ProcessGroup::Work {
+// A collective in flight. `host` and `staged` differ when the collective
+// runs on a CUDA copy: the result is copied back after the wait.
+class CollectiveWork : public ProcessGroup::Work {
  public:
-  GlooWork(WorkPtr work, std::string context, ProcessGroup::Impl* group)
-      : work_(std::move(work)), context_(std::move(context)), group_(group) {}
+  CollectiveWork(c10::intrusive_ptr<c10d::Work> work, std::string context, ProcessGroup::Impl* group,
+                 at::Tensor host = {}, at::Tensor staged = {})
+      : work_(std::move(work)),
+        context_(std::move(context)),
+        group_(group),
+        host_(std::move(host)),
+        staged_(std::move(staged)) {}
   void wait() override {
     try {
       work_->wait();
+      if (host_.defined() && !staged_.is_same(host_)) host_.copy_(staged_);
     } catch (const std::exception& e) {
       group_->fail(context_ + message_of(e));
       TORCH_CHECK(false, context_, message_of(e));
@@ -127,9 +153,10 @@ class GlooWork : public ProcessGroup::Work {
   }
 
  private:
-  WorkPtr work_;
+  c10::intrusive_ptr<c10d::Work> work_;
   std::string context_;
   ProcessGroup::Impl* group_;  // outlives its collectives' waits (held by the caller)
+  at::Tensor host_, staged_;
 };
 
 void check_collective_tensor(const at::Tensor& t, const std::string& what) {
@@ -213,15 +240,32 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions options) 
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 }
 
+std::shared_ptr<ProcessGroup> ProcessGroup::wrap(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                 std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(group, "ProcessGroup::wrap: the c10d process group is null");
+  TORCH_CHECK_VALUE(timeout.count() > 0, "ProcessGroup::wrap: timeout must be positive, got ", timeout.count(),
+                    " ms");
+  auto impl = std::make_unique<Impl>();
+  impl->rank = group->getRank();
+  impl->world_size = group->getSize();
+  impl->timeout = timeout;
+  impl->stage_on_cuda = group->getBackendName().find("nccl") != std::string::npos;
+  impl->wrapped = std::move(group);
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
 int64_t ProcessGroup::rank() const { return impl_->rank; }
 int64_t ProcessGroup::world_size() const { return impl_->world_size; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->timeout; }
 
 std::unique_ptr<ProcessGroup::Work> ProcessGroup::start_all_reduce_sum(at::Tensor tensor, std::string what) {
   check_collective_tensor(tensor, what);
-  std::vector<at::Tensor> tensors{std::move(tensor)};
-  auto work = impl_->start(what, [&] { return impl_->gloo->allreduce(tensors, c10d::AllreduceOptions()); });
-  return std::make_unique<GlooWork<decltype(work)>>(std::move(work), impl_->where(what), impl_.get());
+  std::vector<at::Tensor> tensors{impl_->staged(tensor)};
+  auto work = impl_->start(what, [&] {
+    return impl_->on_backend([&](auto& backend) { return backend.allreduce(tensors, c10d::AllreduceOptions()); });
+  });
+  return std::make_unique<CollectiveWork>(std::move(work), impl_->where(what), impl_.get(), std::move(tensor),
+                                          tensors.front());
 }
 
 void ProcessGroup::Impl::wait_for_model_steps() {
@@ -244,17 +288,21 @@ void ProcessGroup::broadcast(at::Tensor tensor, int64_t root, const std::string&
   TORCH_CHECK_VALUE(root >= 0 && root < impl_->world_size, "ProcessGroup: broadcast root must be in 0..",
                     impl_->world_size - 1, ", got ", root);
   impl_->wait_for_model_steps();
-  std::vector<at::Tensor> tensors{std::move(tensor)};
+  std::vector<at::Tensor> tensors{impl_->staged(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  auto work = impl_->start(what, [&] { return impl_->gloo->broadcast(tensors, options); });
-  GlooWork<decltype(work)>(std::move(work), impl_->where(what), impl_.get()).wait();
+  auto work = impl_->start(what, [&] {
+    return impl_->on_backend([&](auto& backend) { return backend.broadcast(tensors, options); });
+  });
+  CollectiveWork(std::move(work), impl_->where(what), impl_.get(), tensor, tensors.front()).wait();
 }
 
 void ProcessGroup::barrier(const std::string& what) {
   impl_->wait_for_model_steps();
-  auto work = impl_->start(what, [&] { return impl_->gloo->barrier(c10d::BarrierOptions()); });
-  GlooWork<decltype(work)>(std::move(work), impl_->where(what), impl_.get()).wait();
+  auto work = impl_->start(what, [&] {
+    return impl_->on_backend([&](auto& backend) { return backend.barrier(c10d::BarrierOptions()); });
+  });
+  CollectiveWork(std::move(work), impl_->where(what), impl_.get()).wait();
 }
 
 namespace detail {

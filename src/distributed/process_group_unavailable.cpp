@@ -1,6 +1,7 @@
 // ProcessGroup in a build without c10d's Gloo backend: creating one fails
 // with the way out; nothing else can be reached without a group.
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "roundpipe/distributed.h"
 
@@ -13,6 +14,11 @@ ProcessGroup::~ProcessGroup() = default;
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(ProcessGroupOptions) {
   TORCH_CHECK(false, "ProcessGroup: this build of roundpipe has no c10d Gloo backend (the Gloo headers were not "
+              "found when it was configured); install them (Debian: libgloo-dev) and rebuild");
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::wrap(c10::intrusive_ptr<c10d::ProcessGroup>, std::chrono::milliseconds) {
+  TORCH_CHECK(false, "ProcessGroup::wrap: this build of roundpipe has no c10d support (the Gloo headers were not "
               "found when it was configured); install them (Debian: libgloo-dev) and rebuild");
 }
 

@@ -624,8 +624,7 @@ class JobRunner {
 
 }  // namespace
 
-void run_job(std::shared_ptr<Call> call, size_t j, Device& device) {
-  Call& c = *call;
+void run_job(Call& c, size_t j, Device& device) {
   {
     JobRunner runner(c, j, device);
     try {
@@ -640,12 +639,7 @@ void run_job(std::shared_ptr<Call> call, size_t j, Device& device) {
       c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
     }
   }
-  // The caller holds the call until every job is done, so it is destroyed
-  // there and not on this worker: the values it holds may be Python objects,
-  // and a worker must not need the interpreter after the call returned (it
-  // may be shutting down).
-  call.reset();
-  c.job_done();
+  c.job_done();  // the last use of the call: its owner may free it now
 }
 
 }  // namespace roundpipe

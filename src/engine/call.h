@@ -144,8 +144,11 @@ class Call {
 struct Cancelled {};
 
 // Runs job `j` of `call` on `device` (a device worker task). Never throws:
-// errors are recorded in the call.
-void run_job(std::shared_ptr<Call> call, size_t j, Device& device);
+// errors are recorded in the call. The worker never owns the call: its owner
+// waits for every job (wait_all) and destroys it on its own thread, since
+// the values it holds may be Python objects, which a worker must not need
+// once the call returned (the interpreter may be shutting down).
+void run_job(Call& call, size_t j, Device& device);
 
 // An exception that is not a c10::Error but takes the engine's context in
 // place, so it keeps its identity (a language binding's errors, e.g. a Python

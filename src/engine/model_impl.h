@@ -198,7 +198,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     std::vector<std::function<void(Device&)>> tasks;
     for (size_t j = 0; j < call->jobs.size(); ++j) {
       devices.push_back(call->jobs[j].device);
-      tasks.push_back([call, j](Device& dev) mutable { run_job(std::move(call), j, dev); });
+      tasks.push_back([c = call.get(), j](Device& dev) { run_job(*c, j, dev); });  // call outlives its jobs
     }
     pool.submit_batch(devices, tasks);
     try {

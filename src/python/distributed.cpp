@@ -1,5 +1,7 @@
 // roundpipe.distributed: process groups for data parallelism
 // (include/roundpipe/distributed.h), driven from Python.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "python/python_common.h"
 #include "roundpipe/distributed.h"
 
@@ -27,6 +29,14 @@ void bind_distributed(py::module_& m) {
         return ProcessGroup::create(options);
       },
       py::call_guard<py::gil_scoped_release>());
+  // A torch.distributed ProcessGroup (the c10d object DDP and FSDP take).
+  m.def("wrap_process_group", [](const py::object& group, double timeout_s) {
+    TORCH_CHECK_VALUE(timeout_s > 0, "RoundPipe: the process group's timeout must be positive, got ", timeout_s, " s");
+    auto c10d_group = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    py::gil_scoped_release nogil;
+    return ProcessGroup::wrap(std::move(c10d_group),
+                              std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)));
+  });
   m.def("distributed_available", &distributed_available);
 }
 

@@ -235,7 +235,10 @@ void expect_matches_one_process(int64_t world, bool is_async) {
     const at::Tensor rank_losses = result.back();
     result.pop_back();
     loss_sum = loss_sum.defined() ? loss_sum + rank_losses : rank_losses;
-    expect_all_close(result, masters, 1e-6, "parameters of rank " + std::to_string(r));
+    // The processes' sum comes in Gloo's order, not microbatch order: after
+    // 5 Adam steps (which normalize small gradients) parameters differ by a
+    // few fp32 ulps of the largest one.
+    expect_all_close(result, masters, 4e-6, "parameters of rank " + std::to_string(r));
     if (r == 0) {
       rank0 = result;
     } else {

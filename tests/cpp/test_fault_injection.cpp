@@ -139,7 +139,9 @@ TEST(SlowDevice, ChangesTimingNotResults) {
   torch::nn::Sequential twin_net = copy_of(net);
   cpu_device(1).set_layer_delay(std::chrono::milliseconds(3));
   {
-    RoundPipe model(net, RoundPipeOptions().set_max_devices(2));
+    // A pointer, so the model can go before the optimizer its last step uses.
+    auto owned = std::make_unique<RoundPipe>(net, RoundPipeOptions().set_max_devices(2));
+    RoundPipe& model = *owned;
     torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.05));
     RoundPipe twin(twin_net, RoundPipeOptions().set_max_devices(2));
     torch::optim::SGD twin_opt(twin.optim_parameters(), torch::optim::SGDOptions(0.05));
@@ -165,7 +167,7 @@ TEST(SlowDevice, ChangesTimingNotResults) {
     model.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(), false,
                            config());
     model.step([&] { opt.step(); });
-    // `model` goes out of scope with a step in flight on a slow device.
+    owned.reset();  // destroyed with a step in flight on a slow device (it runs first)
   }
   cpu_device(1).set_layer_delay(std::chrono::microseconds(0));
   SUCCEED();

@@ -111,6 +111,56 @@ def test_processes_equal_one_process_on_the_concatenated_batch(tmp_path, world, 
             assert torch.equal(r["params"][name], results[0]["params"][name]), name
 
 
+TORCHRUN_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    import torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+    from models import mse_loss_fn, value_model
+    out = sys.argv[1]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # torchrun's environment and store
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # other weights and seeds than rank 0's: the group copies rank 0's
+    net = value_model(dropout=0.3)
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch={micro}),
+                      process_group=dist.group.WORLD)
+    opt = torch.optim.SGD(model.optim_parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range({steps}):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(world * {rows}, 8, generator=g), torch.randn(world * {rows}, 3, generator=g)
+        mine = slice(rank * {rows}, (rank + 1) * {rows})
+        losses.append(model.forward_backward((x[mine],), label=y[mine], loss_fn=mse_loss_fn({micro})))
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    params = {{n: p.detach().clone() for n, p in net.named_parameters()}}
+    torch.save({{"losses": torch.stack(losses), "params": params}}, out.format(rank))
+    dist.destroy_process_group()
+''')
+
+
+def test_torchrun_with_a_torch_distributed_group(tmp_path):
+    """Launched by torchrun, RoundPipe takes torch.distributed's own c10d
+    group (as DDP does) and equals one process on the concatenated batch."""
+    script = tmp_path / "torchrun_train.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), rows=ROWS,
+                                             micro=MICROBATCHES, steps=STEPS))
+    out = str(tmp_path / "rank{}.pt")
+    env = dict(os.environ, ROUNDPIPE_DEVICES="cpu:1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(next(_ports)), str(script), out]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [torch.load(out.format(r)) for r in range(2)]
+    losses, params = _reference(2, "torch")
+    assert_close(sum(r["losses"] for r in results), losses, rtol=1e-6, what="summed losses")
+    for r in results:
+        for name, t in params.items():
+            assert_close(r["params"][name], t, rtol=1e-6, what=name)
+            assert torch.equal(r["params"][name], results[0]["params"][name]), name
+
+
 def test_checkpoint_of_two_processes_resumes_in_one(tmp_path):
     results, ckpt = _run_group(tmp_path, 2, "roundpipe")
 
