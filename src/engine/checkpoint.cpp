@@ -489,7 +489,15 @@ void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState&
     optimizer_before = detail::archive_bytes(*state.optimizer);
     try {
       state.optimizer->load(*pending.optimizer);
+      // libtorch's loader moves each saved state to the parameters listed
+      // under its key; a key listed twice leaves an empty state behind.
+      for (const auto& entry : state.optimizer->state()) {
+        TORCH_CHECK_VALUE(entry.second != nullptr, "a parameter's saved state is listed twice");
+      }
     } catch (const std::exception& e) {
+      // A load that failed part-way may have left entries (even empty ones)
+      // in the state, which loading the old bytes would only add to.
+      state.optimizer->state().clear();
       detail::load_archive_bytes(*state.optimizer, optimizer_before);
       TORCH_CHECK_VALUE(false, "load_checkpoint: '", path, "': the saved optimizer state does not fit this optimizer (",
                         detail::message_of(e), "); build it over model.optim_parameters() as when saving");

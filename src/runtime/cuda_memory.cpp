@@ -15,11 +15,14 @@ at::Tensor page_locked_bytes(int64_t bytes) {
   void* ptr = nullptr;
   if (bytes > 0) {
     const cudaError_t err = cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocPortable);
-    TORCH_CHECK(err == cudaSuccess, "cudaHostAlloc of ", bytes, " page-locked bytes failed: ",
-                cudaGetErrorString(err));
+    TORCH_CHECK(err == cudaSuccess, "cudaHostAlloc of ", bytes,
+                " page-locked bytes failed: ", cudaGetErrorString(err));
   }
   return at::from_blob(
-      ptr, {bytes}, [](void* p) { if (p != nullptr) cudaFreeHost(p); },
+      ptr, {bytes},
+      [](void* p) {
+        if (p != nullptr) cudaFreeHost(p);
+      },
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
 }
 
@@ -40,7 +43,8 @@ struct Allocated {
   int64_t current, peak;
 };
 Allocated allocated(int index) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
   return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
 }
 

@@ -8,7 +8,8 @@ namespace cuda {
 namespace {
 
 [[noreturn]] void unavailable(const char* what) {
-  TORCH_CHECK(false, what, ": roundpipe was built against a torch without CUDA; "
+  TORCH_CHECK(false, what,
+              ": roundpipe was built against a torch without CUDA; "
               "install a CUDA build of torch and rebuild roundpipe");
 }
 

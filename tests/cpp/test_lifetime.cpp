@@ -32,7 +32,8 @@ TEST_P(ModelDroppedOnItsOptimizerThread, ThousandTimesWithoutAbort) {
   const DropCase c = GetParam();
   at::Tensor x = torch::randn({4, 16}), y = torch::randn({4, 4});
   for (int i = 0; i < 1000; ++i) {
-    auto model = std::make_shared<RoundPipe>(make_mlp(16, 1), RoundPipeOptions().set_max_devices(c.devices));
+    auto model =
+        std::make_shared<RoundPipe>(make_mlp(16, 1), RoundPipeOptions().set_max_devices(c.devices));
     model->forward_backward({x}, make_kwargs(), y, mse_loss_fn());
     if (i % 2 == 0) {
       // After: the step_fn holds the last reference once the caller lets go.
@@ -60,7 +61,8 @@ INSTANTIATE_TEST_SUITE_P(Lifetime, ModelDroppedOnItsOptimizerThread,
 // A layer whose lifetime the test can observe.
 class WatchedLayer final : public Layer {
  public:
-  explicit WatchedLayer(torch::nn::Linear linear) : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)) {}
+  explicit WatchedLayer(torch::nn::Linear linear)
+      : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)) {}
   std::string type_name() const override { return "WatchedLayer"; }
   NamedTensors named_parameters() const override { return inner_->named_parameters(); }
   NamedTensors named_buffers() const override { return inner_->named_buffers(); }
@@ -70,7 +72,9 @@ class WatchedLayer final : public Layer {
                                const std::vector<at::Tensor>& buffers) override {
     return inner_->bind(replica, params, buffers);
   }
-  std::vector<at::Tensor> bound_buffers(int replica) override { return inner_->bound_buffers(replica); }
+  std::vector<at::Tensor> bound_buffers(int replica) override {
+    return inner_->bound_buffers(replica);
+  }
   c10::IValue forward(int replica, std::vector<c10::IValue> args, Kwargs kwargs) override {
     return inner_->forward(replica, std::move(args), std::move(kwargs));
   }
@@ -83,9 +87,11 @@ class WatchedLayer final : public Layer {
 TEST(Lifetime, AModelReleasedOnItsOptimizerThreadIsStillDestroyed) {
   auto layer = std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4));
   std::weak_ptr<Layer> watch = layer;
-  auto model = std::make_shared<RoundPipe>(std::vector<std::shared_ptr<Layer>>{layer}, RoundPipeOptions());
+  auto model =
+      std::make_shared<RoundPipe>(std::vector<std::shared_ptr<Layer>>{layer}, RoundPipeOptions());
   layer.reset();
-  model->forward_backward({torch::randn({2, 4})}, make_kwargs(), torch::randn({2, 4}), mse_loss_fn());
+  model->forward_backward({torch::randn({2, 4})}, make_kwargs(), torch::randn({2, 4}),
+                          mse_loss_fn());
   model->step([model] {}, /*is_async=*/true);
   model.reset();
   wait_for_pending_destructions();  // the reaper runs after the optimizer thread let go

@@ -108,6 +108,11 @@ def test_destruction_by_the_garbage_collector_on_an_engine_thread(devices):
 TWO_THREADS = """
 from roundpipe import presets
 
+class HiddenDropout(nn.Module):
+    # Dropout on the hidden state the preset's layers pass on (a tuple).
+    def forward(self, state):
+        return (torch.nn.functional.dropout(state[0], 0.1, self.training),) + tuple(state[1:])
+
 def train(seed, failures):
     try:
         torch.manual_seed(seed)
@@ -115,10 +120,10 @@ def train(seed, failures):
             # Native preset layers (cloned at construction, under the
             # generator lock) and a Python dropout layer (run under it).
             layers = list(presets.make_decoder(presets.tiny_llama_config()))
-            layers.insert(1, nn.Dropout(0.1))
+            layers.insert(1, HiddenDropout())
             model = RoundPipe(nn.Sequential(*layers))
             ids = torch.randint(0, 64, (4, 8))
-            model.forward_backward(input_kwargs={"input_ids": ids}, label=ids, loss_fn=presets.loss_fn)
+            model.forward_backward(input_args=(ids,), input_kwargs={"labels": ids}, loss_fn=presets.loss_fn)
             model.step(lambda: None)
     except Exception as e:  # reported by the main thread
         failures.append(repr(e))
