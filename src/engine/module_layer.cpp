@@ -106,18 +106,18 @@ class ModuleLayer final : public Layer {
   Replica make_replica() {
     std::lock_guard<std::mutex> rng_lock(cpu_generator_lock());
     at::Generator gen = at::detail::getDefaultCPUGenerator();
-    at::Tensor rng_state = gen.get_state();
+    at::Tensor rng_state = generator_state(gen);
     torch::nn::AnyModule clone;
     try {
       clone = any_.clone();
     } catch (const c10::Error& e) {
-      gen.set_state(rng_state);
+      set_generator_state(gen, rng_state);
       TORCH_CHECK_VALUE(false, "layer ", index_, " (", module_->name(),
                         ") cannot be cloned: derive it from torch::nn::Cloneable<",
                         module_->name(), "> so each device can run its own replica (",
                         e.what_without_backtrace(), ")");
     }
-    gen.set_state(rng_state);
+    set_generator_state(gen, rng_state);
     check_not_aliased(*clone.ptr());
     Replica r;
     r.module = clone.ptr();

@@ -30,6 +30,19 @@ at::Generator generator_of(c10::Device device) {
 
 }  // namespace
 
+// Another thread may draw from the generator while we hold only our lock (the
+// generator's own mutex guards each draw): its state is read and written under
+// that mutex, or a torn read fails to restore ("Invalid mt19937 state").
+at::Tensor generator_state(at::Generator& gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_generator_state(at::Generator& gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
 std::mutex& cpu_generator_lock() {
   static std::mutex mu;
   return mu;
@@ -45,15 +58,18 @@ uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microba
 void run_with_random_stream(c10::Device device, uint64_t seed, const std::function<void()>& fn) {
   std::lock_guard<std::mutex> lock(generator_lock(device));
   at::Generator gen = generator_of(device);
-  at::Tensor saved = gen.get_state();
-  gen.set_current_seed(seed);
+  at::Tensor saved = generator_state(gen);
+  {
+    std::lock_guard<std::mutex> draw_lock(gen.mutex());
+    gen.set_current_seed(seed);
+  }
   try {
     fn();
   } catch (...) {
-    gen.set_state(saved);
+    set_generator_state(gen, saved);
     throw;
   }
-  gen.set_state(saved);
+  set_generator_state(gen, saved);
 }
 
 }  // namespace roundpipe

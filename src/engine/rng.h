@@ -10,6 +10,7 @@
 // Thread-safety: thread-safe.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
@@ -21,6 +22,11 @@ namespace roundpipe {
 // The lock of the process's CPU generator: hold it to draw from (or save and
 // restore) that generator without disturbing keyed runs on other devices.
 std::mutex& cpu_generator_lock();
+
+// A generator's state, read or written under the generator's own mutex: other
+// threads (Python's included) may draw from it at any time.
+at::Tensor generator_state(at::Generator& gen);
+void set_generator_state(at::Generator& gen, const at::Tensor& state);
 
 uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch);
 

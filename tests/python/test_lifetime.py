@@ -144,6 +144,37 @@ def test_two_python_threads_build_and_train_models_at_once(devices):
     run_script(TWO_THREADS, devices)
 
 
+DRAWING_THREAD = """
+stop = threading.Event()
+
+def draw():
+    # Draws from the CPU generator while keyed runs save and restore it.
+    while not stop.is_set():
+        torch.rand(4096)
+
+drawer = threading.Thread(target=draw)
+drawer.start()
+try:
+    model = RoundPipe(nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.2), nn.Linear(64, 64), nn.Dropout(0.2),
+                                    nn.Linear(64, 1)))
+    x, y = torch.randn(16, 64), torch.randn(16, 1)
+    for _ in range(600):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=nn.functional.mse_loss)
+        model.step(lambda: None)
+finally:
+    stop.set()
+    drawer.join()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
+def test_another_thread_drawing_random_numbers_during_keyed_runs(devices):
+    # A torn read of the generator's state could not be restored ("Invalid
+    # mt19937 state"): the state is read and written under the generator's mutex.
+    run_script(DRAWING_THREAD, devices)
+
+
 FORWARD_THEN_DROP = """
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
