@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "bench_common.h"
 
@@ -30,8 +31,11 @@ int64_t peak_bytes(int64_t layers) {
 
 int main() {
   std::printf("B6 device memory vs depth — %s\n", bench::machine_line().c_str());
-  std::printf("devices %lld, Linear(512, 512) layers (1 MiB of parameters each), one-layer stages\n",
-              (long long)get_num_devices());
+  const char* delay_env = std::getenv("ROUNDPIPE_CPU_COPY_DELAY_US");
+  const long long copy_delay_us = delay_env != nullptr && *delay_env != '\0' ? std::atoll(delay_env) : 0;
+  std::printf("devices %lld, Linear(512, 512) layers (1 MiB of parameters each), one-layer stages, "
+              "CPU copies complete %lld us after they are issued\n",
+              (long long)get_num_devices(), copy_delay_us);
   std::printf("%8s %16s\n", "layers", "peak MiB/device");
   int64_t p8 = 0, p32 = 0, p64 = 0;
   for (int64_t layers : {8, 32, 64}) {
@@ -39,7 +43,8 @@ int main() {
     (layers == 8 ? p8 : layers == 32 ? p32 : p64) = p;
     std::printf("%8lld %16.2f\n", (long long)layers, p / 1048576.0);
   }
-  std::printf("RESULT id=B6 peak64_vs_peak8=%.3f peak32_vs_peak8=%.3f peak8_mib=%.2f peak64_mib=%.2f\n",
-              double(p64) / p8, double(p32) / p8, p8 / 1048576.0, p64 / 1048576.0);
+  std::printf("RESULT id=B6 peak64_vs_peak8=%.3f peak32_vs_peak8=%.3f peak8_mib=%.2f peak64_mib=%.2f "
+              "copy_delay_us=%lld\n",
+              double(p64) / p8, double(p32) / p8, p8 / 1048576.0, p64 / 1048576.0, copy_delay_us);
   return 0;
 }

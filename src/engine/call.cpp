@@ -23,7 +23,7 @@ void Call::init_flow() {
   outputs.assign(num_microbatch, c10::IValue());
   grads.assign(jobs.size(), {});
   buffers.assign(jobs.size(), {});
-  fences.assign(jobs.size(), nullptr);
+  fences.assign(jobs.size(), {});
   records.assign(jobs.size(), JobRecord());
 }
 
@@ -64,16 +64,24 @@ void Call::wait_all() {
   std::exception_ptr error;
   std::string context;
   jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
+  // Also after an error: host memory a copy still reads or writes must not
+  // be handed back (to the caller, the optimizer) before the copy is done.
+  for (const auto& job_fences : fences) {
+    for (const auto& fence : job_fences) {
+      if (!fence) continue;
+      try {
+        fence->synchronize();
+      } catch (...) {
+        fail(std::current_exception(), "in RoundPipe model '" + model.name + "': waiting for a copy");
+      }
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     error = error_;
     context = context_;
   }
   if (error != nullptr) rethrow_with_context(error, context);
-  // Downloads are complete once each job's last download fence is.
-  for (const auto& fence : fences) {
-    if (fence) fence->synchronize();
-  }
 }
 
 namespace {
@@ -148,15 +156,25 @@ std::string describe(const Call& c, size_t j, const Device& dev, const Cursor& c
   return out + ", device " + dev.name();
 }
 
-// The value of `slot` on `dev`: moved there unless it already is.
+std::vector<at::Tensor> detached(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.defined() ? t.detach() : t);
+  return out;
+}
+
+// The value of `slot` on `dev`, for compute: moved there unless it already
+// is; compute waits for the copy (or for the slot's producer).
 c10::IValue to_device(Device& dev, const Slot& slot) {
   if (slot.device == dev.index()) {
     dev.compute_wait(slot.fence);
     return slot.value;
   }
-  return map_tensors(slot.value, [&](const at::Tensor& t) {
-    return t.defined() ? dev.upload(t.detach(), Lane::kActUpload, slot.fence) : t;
-  });
+  std::vector<at::Tensor> host = flatten_tensors(slot.value);
+  if (host.empty()) return slot.value;
+  std::vector<at::Tensor> moved = dev.upload(detached(host), Lane::kActUpload, slot.fence);
+  dev.compute_wait(dev.lane_fence(Lane::kActUpload));
+  return replace_tensors(slot.value, moved);
 }
 
 // `value` (on `dev`) handed to device `consumer` (-1: the host). Stays on the
@@ -166,16 +184,41 @@ Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer) {
   if (consumer == dev.index()) {
     out.value = value;
     out.device = dev.index();
-    out.fence = dev.compute_fence();
+    out.fence = dev.lane_fence(Lane::kCompute);
     return out;
   }
-  FencePtr fence;  // downloads share one lane: the last fence covers them all
-  out.value = map_tensors(value, [&](const at::Tensor& t) {
-    return t.defined() ? dev.download(t.detach(), &fence) : t;
-  });
-  out.fence = fence;
+  std::vector<at::Tensor> tensors = flatten_tensors(value);
+  if (tensors.empty()) {
+    out.value = value;
+    return out;
+  }
+  out.value = replace_tensors(value, dev.download(detached(tensors)));
+  out.fence = dev.lane_fence(Lane::kDownload);
   return out;
 }
+
+// Completes once the parameters of the given layers hold write
+// `generation`: an upload issued after it waits on its lane, not on the
+// worker, so the worker goes on queueing compute.
+class ParamGateFence final : public Fence {
+ public:
+  ParamGateFence(const ParamGate* gate, std::vector<int64_t> layers, int64_t generation)
+      : gate_(gate), layers_(std::move(layers)), generation_(generation) {}
+  void synchronize() const override {
+    for (int64_t l : layers_) gate_->wait(l, generation_);
+  }
+  bool query() const override {
+    for (int64_t l : layers_) {
+      if (!gate_->written(l, generation_)) return false;
+    }
+    return true;
+  }
+
+ private:
+  const ParamGate* gate_;  // outlives the call, which waits for its copies
+  std::vector<int64_t> layers_;
+  int64_t generation_;
+};
 
 // `value` (a slot's value moved to the device) with every tensor a fresh
 // leaf; floating-point tensors require grad (at layer 0 only those of the
@@ -278,7 +321,6 @@ class JobRunner {
 
   void run() {
     bind_stage();
-    prefetch_next();
     switch (job_.kind) {
       case JobKind::kForward: run_forward(); break;
       case JobKind::kFused: run_fused(); break;
@@ -288,13 +330,18 @@ class JobRunner {
     if (job_.kind != JobKind::kBackward) download_buffers();
   }
 
-  // Drops the device tensors of this job (also after errors).
-  void release() {
+  // Drops the device tensors of this job (also after errors, and for a job
+  // never run because its call failed) and gives back its stage slot once
+  // every copy it issued has completed (`last_use`).
+  void release(const std::vector<FencePtr>& last_use) {
     for (int64_t l = job_.layers.begin; l < bound_until_; ++l) {
       (*c_.model.layers)[l]->unbind(dev_.index());
     }
     leaves_.clear();
+    if (c_.prefetched[j_].holds_slot) holds_slot_ = true;
     c_.prefetched[j_] = StageTensors();
+    if (holds_slot_) dev_.give_back_stage_slot(last_use);
+    holds_slot_ = false;
   }
 
   Cursor cursor;
@@ -335,38 +382,52 @@ class JobRunner {
              std::move(start));
   }
 
+  // Uploads the parameters and buffers of job `job`'s stage in one batch,
+  // once the optimizer has written them (a wait on the upload lane).
   StageTensors upload_stage(size_t job) {
     const LayerRange& range = c_.jobs[job].layers;
-    MarkPtr start = mark(Lane::kParamUpload);
-    int64_t bytes = 0;
     const HostStore& store = *c_.model.store;
-    std::unordered_map<int64_t, at::Tensor> on_device;
+    MarkPtr start = mark(Lane::kParamUpload);
+    std::vector<at::Tensor> host;     // what to upload
+    std::vector<int64_t> gated;       // layers whose parameters it reads
+    std::unordered_map<int64_t, std::pair<size_t, bool>> source;  // param id -> (index in host, arena?)
     for (int64_t l = range.begin; l < range.end; ++l) {
       const HostLayer& hl = store.layer(l);
-      c_.model.gate->wait(l, c_.model.generation);
+      gated.push_back(l);
       if (hl.arena.numel() == 0) continue;
-      at::Tensor arena = dev_.upload(hl.arena, Lane::kParamUpload, nullptr);
-      bytes += static_cast<int64_t>(hl.arena.nbytes());
-      for (int64_t id : hl.owned) on_device[id] = store.view_in(arena, id);
+      for (int64_t id : hl.owned) source[id] = {host.size(), true};
+      host.push_back(hl.arena);
     }
+    for (int64_t l = range.begin; l < range.end; ++l) {
+      for (int64_t id : store.layer(l).param_ids) {
+        if (source.count(id)) continue;
+        // Tied to a layer outside this stage: its master tensor alone.
+        gated.push_back(store.params()[id].owner);
+        source[id] = {host.size(), false};
+        host.push_back(store.params()[id].master.detach());
+      }
+    }
+    const size_t first_buffer = host.size();
+    for (int64_t l = range.begin; l < range.end; ++l) {
+      for (const auto& [name, b] : layer(l)->named_buffers()) host.push_back(b);
+    }
+    int64_t bytes = 0;
+    for (const at::Tensor& t : host) {
+      if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+    }
+    auto gate = std::make_shared<ParamGateFence>(c_.model.gate, std::move(gated), c_.model.generation);
+    std::vector<at::Tensor> moved = dev_.upload(host, Lane::kParamUpload, gate);
     StageTensors st;
+    st.uploaded = dev_.lane_fence(Lane::kParamUpload);
+    size_t next_buffer = first_buffer;
     for (int64_t l = range.begin; l < range.end; ++l) {
       std::vector<at::Tensor> params;
       for (int64_t id : store.layer(l).param_ids) {
-        auto it = on_device.find(id);
-        if (it == on_device.end()) {  // tied to a layer outside this stage
-          c_.model.gate->wait(store.params()[id].owner, c_.model.generation);
-          at::Tensor master = store.params()[id].master.detach();
-          it = on_device.emplace(id, dev_.upload(master, Lane::kParamUpload, nullptr)).first;
-          bytes += static_cast<int64_t>(master.nbytes());
-        }
-        params.push_back(it->second);
+        const auto& [index, in_arena] = source.at(id);
+        params.push_back(in_arena ? store.view_in(moved[index], id) : moved[index]);
       }
       std::vector<at::Tensor> buffers;
-      for (const auto& [name, b] : layer(l)->named_buffers()) {
-        buffers.push_back(b.defined() ? dev_.upload(b, Lane::kParamUpload, nullptr) : b);
-        if (b.defined()) bytes += static_cast<int64_t>(b.nbytes());
-      }
+      for (size_t b = 0; b < layer(l)->named_buffers().size(); ++b) buffers.push_back(moved[next_buffer++]);
       st.params.push_back(std::move(params));
       st.buffers.push_back(std::move(buffers));
     }
@@ -374,8 +435,18 @@ class JobRunner {
     return st;
   }
 
+  // Binds this job's stage (prefetched by the device's previous job, or
+  // uploaded now); compute waits for its upload, and only for that.
   void bind_stage() {
-    StageTensors st = c_.prefetched[j_].params.empty() ? upload_stage(j_) : std::move(c_.prefetched[j_]);
+    StageTensors st;
+    if (c_.prefetched[j_].holds_slot) {
+      st = std::move(c_.prefetched[j_]);
+      c_.prefetched[j_] = StageTensors();
+    } else {
+      dev_.take_stage_slot();
+      st = upload_stage(j_);
+    }
+    holds_slot_ = true;
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       cursor.layer = l;
       const size_t i = static_cast<size_t>(l - job_.layers.begin);
@@ -383,14 +454,21 @@ class JobRunner {
       bound_until_ = l + 1;
     }
     cursor.layer = -1;
+    dev_.compute_wait(st.uploaded);
   }
 
   // Uploads the parameters of this device's next job of the call while this
-  // one computes (at most two stages per device).
+  // one computes, once its first microbatch is queued (so that compute does
+  // not wait behind it). Taking the slot may wait for the device's job
+  // before this one to finish its copies.
   void prefetch_next() {
+    if (prefetch_done_) return;
+    prefetch_done_ = true;
     for (size_t k = j_ + 1; k < c_.jobs.size(); ++k) {
       if (c_.jobs[k].device == dev_.index()) {
+        dev_.take_stage_slot();
         c_.prefetched[k] = upload_stage(k);
+        c_.prefetched[k].holds_slot = true;
         return;
       }
     }
@@ -417,7 +495,7 @@ class JobRunner {
       const auto& saved = c_.record->recompute_data[l][m];
       if (saved) {
         std::vector<c10::IValue> data;
-        for (const auto& v : *saved) data.push_back(fetch(Slot{v, -1, nullptr, true}, m));
+        for (const Slot& v : *saved) data.push_back(fetch(v, m));
         state.data = std::move(data);
       }
     }
@@ -439,8 +517,8 @@ class JobRunner {
         LayerRange{l, l + 1}, mode == RunMode::kRecompute ? LayerAction::kRecompute : LayerAction::kForward, m,
         start, dev_.mark(Lane::kCompute)});
     if (mode == RunMode::kSaving && state.saved) {
-      std::vector<c10::IValue> host;
-      for (const auto& v : *state.data) host.push_back(pass_on(v, -1, m).value);
+      std::vector<Slot> host;
+      for (const auto& v : *state.data) host.push_back(pass_on(v, -1, m));
       c_.record->recompute_data[l][m] = std::move(host);
     }
     return out;
@@ -463,6 +541,7 @@ class JobRunner {
       }
       add_compute_span(m, start);
       c_.publish(c_.flow[j_ + 1][m], pass_on(x, next_device(), m));
+      prefetch_next();
     }
   }
 
@@ -494,6 +573,7 @@ class JobRunner {
       c_.losses[m] = pass_on(loss, -1, m).value;
       if (c_.keep_outputs) c_.outputs[m] = pass_on(x, -1, m).value;
       c_.publish(c_.flow[j_ + 1][m], pass_on(leaf_grads(leaves), next_device(), m));
+      prefetch_next();
     }
   }
 
@@ -527,6 +607,7 @@ class JobRunner {
       }
       add_compute_span(m, start);
       c_.publish(c_.flow[j_ + 1][m], pass_on(input_grads, next_device(), m));
+      prefetch_next();
     }
   }
 
@@ -585,12 +666,13 @@ class JobRunner {
     }
     MarkPtr start = mark(Lane::kDownload);
     int64_t bytes = 0;
-    FencePtr fence;
+    std::vector<at::Tensor> device_grads;
     for (auto& [id, grad] : sums) {
-      c_.grads[j_].emplace_back(id, dev_.download(grad, &fence));
+      device_grads.push_back(grad);
       bytes += static_cast<int64_t>(grad.nbytes());
     }
-    if (fence) c_.fences[j_] = fence;
+    std::vector<at::Tensor> host = dev_.download(device_grads);  // complete at the job's fences
+    for (size_t i = 0; i < sums.size(); ++i) c_.grads[j_].emplace_back(sums[i].first, std::move(host[i]));
     add_span(TraceLane::kDownload, Lane::kDownload, "download", "grads", j_, -1, bytes, start);
   }
 
@@ -598,18 +680,14 @@ class JobRunner {
   void download_buffers() {
     MarkPtr start = mark(Lane::kDownload);
     int64_t bytes = 0;
-    FencePtr fence = c_.fences[j_];
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       std::vector<at::Tensor> bufs = layer(l)->bound_buffers(dev_.index());
       if (bufs.empty()) continue;
-      std::vector<at::Tensor> host;
       for (const auto& b : bufs) {
-        host.push_back(b.defined() ? dev_.download(b, &fence) : b);
         if (b.defined()) bytes += static_cast<int64_t>(b.nbytes());
       }
-      c_.buffers[j_].emplace_back(l, std::move(host));
+      c_.buffers[j_].emplace_back(l, dev_.download(bufs));  // complete at the job's fences
     }
-    c_.fences[j_] = fence;
     if (bytes > 0) add_span(TraceLane::kDownload, Lane::kDownload, "download", "buffers", j_, -1, bytes, start);
   }
 
@@ -619,6 +697,8 @@ class JobRunner {
   Device& dev_;
   JobRecord& record_;
   int64_t bound_until_ = 0;
+  bool holds_slot_ = false;     // this job's stage slot is taken
+  bool prefetch_done_ = false;  // the next job's stage was prefetched (or there is none)
   std::vector<std::vector<at::Tensor>> leaves_;  // [layer in stage][param]
 };
 
@@ -633,8 +713,12 @@ void run_job(Call& c, size_t j, Device& device) {
     } catch (...) {
       c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
     }
+    // Everything the job issued, on every lane: the call waits for it, and
+    // the job's stage slot is reused only after it.
+    std::vector<FencePtr> last_use = device.all_lane_fences();
+    c.fences[j] = last_use;
     try {
-      runner.release();
+      runner.release(last_use);
     } catch (...) {
       c.fail(std::current_exception(), describe(c, j, device, runner.cursor));
     }

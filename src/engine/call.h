@@ -42,7 +42,8 @@ struct ForwardRecord {
   int64_t call_id = 0;
   int64_t num_microbatch = 0;
   std::vector<std::vector<Slot>> stage_inputs;  // [layer][M]: inputs of layers that start a backward stage
-  std::vector<std::vector<c10::optional<std::vector<c10::IValue>>>> recompute_data;  // [layer][M]
+  // [layer][M]: what save_for_recompute kept, on the host once each slot's fence completes.
+  std::vector<std::vector<c10::optional<std::vector<Slot>>>> recompute_data;
 };
 
 // Everything a job needs from its model, fixed for the call.
@@ -60,10 +61,12 @@ struct ModelView {
   int64_t generation;
 };
 
-// The tensors of one stage on one device.
+// The tensors of one stage on one device, uploaded in one batch.
 struct StageTensors {
   std::vector<std::vector<at::Tensor>> params;   // [layer in stage][param]
   std::vector<std::vector<at::Tensor>> buffers;  // [layer in stage][buffer]
+  FencePtr uploaded;                             // the upload is complete after this
+  bool holds_slot = false;                       // took one of its device's stage slots
 };
 
 // One timed piece of a job's work on its device (for traces).
@@ -119,7 +122,9 @@ class Call {
   std::vector<c10::IValue> outputs;  // [M] host (fused calls with keep_outputs)
   std::vector<std::vector<std::pair<int64_t, at::Tensor>>> grads;  // [job]: (param id, host grad)
   std::vector<std::vector<std::pair<int64_t, std::vector<at::Tensor>>>> buffers;  // [job]: (layer, host buffers)
-  std::vector<FencePtr> fences;  // [job]: its downloads of grads and buffers are done after this
+  // [job]: every copy the job issued (uploads reading host memory, downloads
+  // writing it) is complete after these; the call waits for them all.
+  std::vector<std::vector<FencePtr>> fences;
   std::vector<JobRecord> records;  // [job]: timing
 
   void init_flow();
@@ -129,7 +134,8 @@ class Call {
   void fail(std::exception_ptr error, const std::string& context);
   bool failed();
   void job_done();
-  // Blocks until every job finished; rethrows the first error with context.
+  // Blocks until every job finished and every copy it issued completed;
+  // rethrows the first error with context.
   void wait_all();
 
  private:

@@ -48,6 +48,11 @@ class ParamGate {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return written_.at(static_cast<size_t>(layer)) >= generation; });
   }
+  // True when `layer` holds write `generation` or a later one (never blocks).
+  bool written(int64_t layer, int64_t generation) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return written_.at(static_cast<size_t>(layer)) >= generation;
+  }
   void wait_all(int64_t generation) const {
     for (size_t l = 0; l < written_.size(); ++l) wait(static_cast<int64_t>(l), generation);
   }

@@ -69,6 +69,11 @@ void Tracer::add(std::vector<TraceEvent> events) {
   }
 }
 
+std::vector<TraceEvent> Tracer::events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_;
+}
+
 void start_trace(const std::string& path) { Tracer::instance().start(path); }
 void stop_trace() { Tracer::instance().stop(); }
 bool tracing() { return Tracer::instance().on(); }

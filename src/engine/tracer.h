@@ -25,6 +25,8 @@ class Tracer {
   // Adds events whose start_us are host-clock microseconds (host_now_ms() *
   // 1000); they are made relative to the trace's origin. Dropped when off.
   void add(std::vector<TraceEvent> events);
+  // The events recorded since start() (relative to the origin).
+  std::vector<TraceEvent> events() const;
 
   ~Tracer();  // writes a trace still being recorded (at process exit)
 

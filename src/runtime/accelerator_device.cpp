@@ -8,6 +8,9 @@
 
 #include <array>
 #include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "runtime/cuda_memory.h"
 #include "runtime/device.h"
@@ -15,17 +18,43 @@
 namespace roundpipe {
 namespace {
 
-class EventFence final : public Fence {
+// Events are reused: creating and destroying one per copy costs more than
+// the copy of a small tensor.
+class EventPool {
  public:
-  EventFence(const c10::Stream& stream)
-      : event_(stream.device_type(), c10::EventFlag::PYTORCH_DEFAULT) {
-    event_.record(stream);
+  explicit EventPool(c10::DeviceType type) : type_(type) {}
+  std::unique_ptr<c10::Event> take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return std::make_unique<c10::Event>(type_, c10::EventFlag::PYTORCH_DEFAULT);
+    std::unique_ptr<c10::Event> event = std::move(free_.back());
+    free_.pop_back();
+    return event;
   }
-  void synchronize() const override { event_.synchronize(); }
-  void block(const c10::Stream& stream) const { event_.block(stream); }
+  void give_back(std::unique_ptr<c10::Event> event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(event));
+  }
 
  private:
-  c10::Event event_;
+  c10::DeviceType type_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<c10::Event>> free_;
+};
+
+class EventFence final : public Fence {
+ public:
+  EventFence(std::shared_ptr<EventPool> pool, const c10::Stream& stream)
+      : pool_(std::move(pool)), event_(pool_->take()) {
+    event_->record(stream);
+  }
+  ~EventFence() override { pool_->give_back(std::move(event_)); }
+  void synchronize() const override { event_->synchronize(); }
+  bool query() const override { return event_->query(); }
+  void block(const c10::Stream& stream) const { event_->block(stream); }
+
+ private:
+  std::shared_ptr<EventPool> pool_;
+  std::unique_ptr<c10::Event> event_;
 };
 
 // A timing event recorded on a lane's stream: device time between two marks.
@@ -51,7 +80,7 @@ class EventMark final : public TimeMark {
 class AcceleratorDevice final : public Device {
  public:
   AcceleratorDevice(int pool_index, c10::Device device)
-      : Device(pool_index, device.str()), device_(device) {
+      : Device(pool_index, device.str()), device_(device), events_(std::make_shared<EventPool>(device.type())) {
     const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
     for (auto& stream : streams_) stream = impl->getStreamFromGlobalPool(device);
     start_worker();
@@ -71,44 +100,44 @@ class AcceleratorDevice final : public Device {
     if (is_cuda()) cuda::reset_peak_allocated_bytes(device_.index());
   }
 
-  at::Tensor upload(const at::Tensor& host, Lane lane, const FencePtr& after) override {
+  std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane, const FencePtr& after) override {
     const c10::Stream& stream = streams_[static_cast<int>(lane)];
     if (after) wait_on(after, stream);
     c10::StreamGuard guard(stream);
-    at::Tensor out = host.to(device_, /*non_blocking=*/true, /*copy=*/true);
-    // The tensor is allocated on `stream` but used on the compute stream.
-    c10::impl::getDeviceGuardImpl(device_.type())
-        ->recordDataPtrOnStream(out.storage().data_ptr(), compute_stream());
-    // Compute that follows must see the copy.
-    EventFence(stream).block(compute_stream());
+    const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
+    std::vector<at::Tensor> out(host.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (!host[i].defined()) continue;
+      out[i] = host[i].to(device_, /*non_blocking=*/true, /*copy=*/true);
+      // Allocated on `stream`, used on the compute stream: the allocator
+      // must not reuse it before the compute stream is done with it.
+      impl->recordDataPtrOnStream(out[i].storage().data_ptr(), compute_stream());
+    }
     return out;
   }
 
-  at::Tensor download(const at::Tensor& device_tensor, FencePtr* fence_out) override {
+  std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) override {
     const c10::Stream& stream = streams_[static_cast<int>(Lane::kDownload)];
-    EventFence(compute_stream()).block(stream);
-    at::Tensor host;
-    {
-      c10::StreamGuard guard(stream);
-      host = at::empty(device_tensor.sizes(),
-                       device_tensor.options().device(c10::kCPU).pinned_memory(true));
-      host.copy_(device_tensor, /*non_blocking=*/true);
-      c10::impl::getDeviceGuardImpl(device_.type())
-          ->recordDataPtrOnStream(device_tensor.storage().data_ptr(), stream);
-    }
-    auto fence = std::make_shared<EventFence>(stream);
-    if (fence_out) {
-      *fence_out = fence;
-    } else {
-      fence->synchronize();
+    EventFence(events_, compute_stream()).block(stream);  // one wait for the whole batch
+    c10::StreamGuard guard(stream);
+    const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
+    std::vector<at::Tensor> host(device_tensors.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      const at::Tensor& t = device_tensors[i];
+      if (!t.defined()) continue;
+      host[i] = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+      host[i].copy_(t, /*non_blocking=*/true);
+      impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
     }
     return host;
   }
 
+  FencePtr lane_fence(Lane lane) override {
+    return std::make_shared<EventFence>(events_, streams_[static_cast<int>(lane)]);
+  }
   void compute_wait(const FencePtr& fence) override {
     if (fence) wait_on(fence, compute_stream());
   }
-  FencePtr compute_fence() override { return std::make_shared<EventFence>(compute_stream()); }
   void synchronize() override {
     for (const auto& stream : streams_) stream.synchronize();
   }
@@ -134,6 +163,7 @@ class AcceleratorDevice final : public Device {
   }
 
   c10::Device device_;
+  std::shared_ptr<EventPool> events_;
   std::array<c10::Stream, 4> streams_{
       {c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)),
        c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)),

@@ -1,11 +1,15 @@
 #include "runtime/device.h"
 
-#include <thread>
-
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <thread>
 #include <utility>
+
+#include "runtime/copy_lane.h"
 
 namespace roundpipe {
 
@@ -28,13 +32,97 @@ void Device::submit(std::function<void()> task) {
   worker_->post([this, task = std::move(task)] { run_task(task); });
 }
 
-CpuDevice::CpuDevice(int index) : Device(index, "cpu:" + std::to_string(index)) {
+std::vector<FencePtr> Device::all_lane_fences() {
+  return {lane_fence(Lane::kParamUpload), lane_fence(Lane::kActUpload), lane_fence(Lane::kCompute),
+          lane_fence(Lane::kDownload)};
+}
+
+void Device::take_stage_slot() {
+  ++slots_in_use_;
+  while (!slots_released_.empty() &&
+         slots_in_use_ + static_cast<int>(slots_released_.size()) > kStageSlots) {
+    for (const FencePtr& fence : slots_released_.front()) {
+      if (fence) fence->synchronize();
+    }
+    slots_released_.pop_front();
+  }
+}
+
+void Device::give_back_stage_slot(std::vector<FencePtr> last_use) {
+  TORCH_INTERNAL_ASSERT(slots_in_use_ > 0, "a stage slot was given back twice on ", name_);
+  --slots_in_use_;
+  slots_released_.push_back(std::move(last_use));
+}
+
+std::chrono::microseconds cpu_copy_delay_from_env() {
+  const char* env = std::getenv("ROUNDPIPE_CPU_COPY_DELAY_US");
+  if (env == nullptr || *env == '\0') return std::chrono::microseconds(0);
+  const std::string text = env;
+  size_t used = 0;
+  long long value = -1;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK_VALUE(used == text.size() && value >= 0 && value <= 10000000, "ROUNDPIPE_CPU_COPY_DELAY_US='",
+                    text, "' is not a delay in microseconds (an integer in 0..10000000)");
+  return std::chrono::microseconds(value);
+}
+
+CpuDevice::CpuDevice(int index, std::chrono::microseconds copy_delay)
+    : Device(index, "cpu:" + std::to_string(index)), copy_delay_us_(copy_delay.count()) {
   counter_.name = name();
   install_tracking_cpu_allocator();
+  static const char* const kLaneName[] = {"parameter upload", "activation upload", "download"};
+  for (int i = 0; i < 3; ++i) {
+    lanes_[i] = std::make_unique<CopyLane>("the " + std::string(kLaneName[i]) + " lane of " + name(), copy_delay);
+  }
   start_worker();
 }
 
-CpuDevice::~CpuDevice() { stop_worker(); }
+CpuDevice::~CpuDevice() {
+  stop_worker();
+  for (auto& lane : lanes_) lane.reset();
+}
+
+CopyLane& CpuDevice::copy_lane(Lane lane) {
+  switch (lane) {
+    case Lane::kParamUpload: return *lanes_[0];
+    case Lane::kActUpload: return *lanes_[1];
+    case Lane::kDownload: return *lanes_[2];
+    case Lane::kCompute: break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "the compute lane of ", name(), " is its worker, not a copy lane");
+}
+
+void CpuDevice::set_copy_delay(std::chrono::microseconds delay) {
+  TORCH_CHECK_VALUE(delay.count() >= 0, "set_copy_delay: the delay must be >= 0 us, got ", delay.count());
+  copy_delay_us_.store(delay.count());
+  for (auto& lane : lanes_) lane->set_delay(delay);
+}
+
+FencePtr CpuDevice::lane_fence(Lane lane) {
+  if (lane == Lane::kCompute) return nullptr;  // compute has run when the worker gets here
+  return copy_lane(lane).fence();
+}
+
+void CpuDevice::synchronize() {
+  for (auto& lane : lanes_) lane->synchronize();
+}
+
+MarkPtr CpuDevice::mark(Lane lane) {
+  if (lane == Lane::kCompute) return std::make_shared<TimeMark>(host_now_ms());
+  return copy_lane(lane).mark();
+}
+
+at::Tensor CpuDevice::copy_destination(const at::Tensor& like) const {
+  at::Tensor out = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+  if (copy_delay_us_.load() > 0 && at::isFloatingType(out.scalar_type())) {
+    out.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  return out;
+}
 
 void CpuDevice::run_task(const std::function<void()>& task) {
   // Everything the task allocates is this device's memory, except what is
@@ -71,18 +159,47 @@ void CpuDevice::before_layer() {
   if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
 }
 
-at::Tensor CpuDevice::upload(const at::Tensor& host, Lane lane, const FencePtr& after) {
+std::vector<at::Tensor> CpuDevice::upload(const std::vector<at::Tensor>& host, Lane lane,
+                                          const FencePtr& after) {
   check_fault(Fault::kUpload);
-  if (after) after->synchronize();
-  MemoryCounterScope scope(&counter_);
-  return host.clone(at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> out(host.size()), sources(host.size());
+  {
+    MemoryCounterScope scope(&counter_);  // device memory from now until its last use
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (!host[i].defined()) continue;
+      out[i] = copy_destination(host[i]);
+      sources[i] = host[i].detach();  // its own handle: the caller may set_data on its tensor
+    }
+  }
+  copy_lane(lane).issue_after(after, [out, sources] {
+    for (size_t i = 0; i < sources.size(); ++i) {
+      if (sources[i].defined()) out[i].copy_(sources[i]);
+    }
+  });
+  return out;
 }
 
-at::Tensor CpuDevice::download(const at::Tensor& device_tensor, FencePtr* fence_out) {
+std::vector<at::Tensor> CpuDevice::download(const std::vector<at::Tensor>& device_tensors) {
   check_fault(Fault::kDownload);
-  MemoryCounterScope host_memory(nullptr);
-  if (fence_out) *fence_out = nullptr;
-  return device_tensor.clone(at::MemoryFormat::Contiguous);
+  std::vector<at::Tensor> host(device_tensors.size()), sources(device_tensors.size());
+  {
+    MemoryCounterScope host_memory(nullptr);
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (!device_tensors[i].defined()) continue;
+      host[i] = copy_destination(device_tensors[i]);
+      // Its own handle to the storage: the worker releases a replica's
+      // tensors with set_data once its job is done, maybe before the copy ran.
+      sources[i] = device_tensors[i].detach();
+    }
+  }
+  // Compute is synchronous: the sources are complete now. The copy holds
+  // them, so their device memory lasts until the copy has run.
+  copy_lane(Lane::kDownload).issue([host, sources] {
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (sources[i].defined()) host[i].copy_(sources[i]);
+    }
+  });
+  return host;
 }
 
 }  // namespace roundpipe

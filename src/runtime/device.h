@@ -1,14 +1,20 @@
-// One execution device of the pool: a worker thread plus the means to move
-// tensors between the host and the device and to order work between lanes.
+// One execution device of the pool: a worker thread plus lanes that move
+// tensors between the host and the device, ordered by fences.
 //
 // Devices hold no model state: they execute, they do not decide. Two
 // backends implement this interface:
-//  - AcceleratorDevice: a CUDA (or other c10 accelerator) device, with four
-//    streams (parameter upload, activation upload, compute, download) ordered
-//    by c10::Event.
-//  - CpuDevice: a virtual device for machines without accelerators. Copies
-//    are real; everything its worker allocates is charged to its own memory
-//    counter; lanes are synchronous, so fences are always complete.
+//  - AcceleratorDevice: a CUDA (or other c10 accelerator) device; each lane
+//    (parameter upload, activation upload, compute, download) is a stream,
+//    fences are pooled c10 events.
+//  - CpuDevice: a virtual device for machines without accelerators, which
+//    behaves like a GPU: its copy lanes are threads that complete copies
+//    later (ROUNDPIPE_CPU_COPY_DELAY_US), fences are completion events, and
+//    everything its work allocates is charged to its own memory counter until
+//    the fence of its last use completes. Its compute lane is the worker.
+//
+// Every copy is asynchronous on every backend: its result may be read only
+// after a fence made on its lane after it (lane_fence), by compute through
+// compute_wait, by the host through Fence::synchronize.
 //
 // Thread-safety: submit(), memory queries and name() are thread-safe; every
 // other method must be called on this device's worker thread (inside a task).
@@ -19,9 +25,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/memory_tracker.h"
 #include "util/worker_thread.h"
@@ -37,6 +45,8 @@ class Fence {
   virtual ~Fence() = default;
   // Blocks the calling host thread until the marked work has finished.
   virtual void synchronize() const = 0;
+  // True when the marked work has finished (never blocks; false when unsure).
+  virtual bool query() const { return false; }
 };
 using FencePtr = std::shared_ptr<const Fence>;
 
@@ -47,9 +57,10 @@ class TimeMark {
   virtual ~TimeMark() = default;
   // Milliseconds from `earlier` (a mark of the same device) to this mark, as
   // the device saw it. Valid once the work before both marks has finished.
-  virtual double ms_since(const TimeMark& earlier) const { return host_ms_ - earlier.host_ms_; }
-  // Host steady clock (host_now_ms) when the mark was made.
-  double host_ms() const { return host_ms_; }
+  virtual double ms_since(const TimeMark& earlier) const { return host_ms() - earlier.host_ms(); }
+  // Host steady clock (host_now_ms) when the lane reached the mark (a
+  // device's own clock may only be related to it through ms_since).
+  virtual double host_ms() const { return host_ms_; }
 
  private:
   double host_ms_;
@@ -80,18 +91,21 @@ class Device {
   virtual void reset_peak_memory() = 0;
 
   // ---- worker thread only ----
-  // Copies a host tensor to a new device tensor on `lane`, after `after`
-  // (a fence from any device or the host, may be null). Later compute sees it.
-  virtual at::Tensor upload(const at::Tensor& host, Lane lane, const FencePtr& after) = 0;
-  // Copies a device tensor (produced by compute submitted so far) to new host
-  // memory on the download lane. The host copy is valid once the returned
-  // fence completes (`*fence_out`).
-  virtual at::Tensor download(const at::Tensor& device_tensor, FencePtr* fence_out) = 0;
-  // Makes the compute lane wait for `fence` (null: no-op), without blocking
-  // the host.
+  // Copies host tensors to new device tensors on `lane`, once `after` (a
+  // fence from any device or the host; may be null) has completed. The
+  // copies are complete at the next lane_fence(lane). Undefined tensors stay
+  // undefined.
+  virtual std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane,
+                                         const FencePtr& after) = 0;
+  // Copies device tensors to new host memory on the download lane, after the
+  // compute submitted so far. The copies are complete at the next
+  // lane_fence(Lane::kDownload). Undefined tensors stay undefined.
+  virtual std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) = 0;
+  // A fence after all work submitted on `lane` so far.
+  virtual FencePtr lane_fence(Lane lane) = 0;
+  // Makes the compute lane wait for `fence` (null: no-op); an accelerator's
+  // host thread does not block.
   virtual void compute_wait(const FencePtr& fence) = 0;
-  // A fence after all compute submitted so far.
-  virtual FencePtr compute_fence() = 0;
   // Blocks until all work submitted by this worker has finished.
   virtual void synchronize() = 0;
   // A mark after the work submitted on `lane` so far. Also callable from the
@@ -100,6 +114,20 @@ class Device {
   // Called on the worker before each layer computation (forward or
   // recompute of one layer for one microbatch); fault injection hooks here.
   virtual void before_layer() {}
+
+  // Fences after everything submitted on every lane so far.
+  std::vector<FencePtr> all_lane_fences();
+
+  // ---- stage slots (worker thread only) ----
+  // A device holds the tensors of at most kStageSlots jobs (the running stage
+  // and the prefetched one). A job takes a slot before it uploads its stage
+  // and gives it back when it is done, with the fences of its last work; a
+  // slot is reused only once those fences completed (waited for on the host
+  // here), so however far the worker runs ahead of its lanes, device memory
+  // stays within kStageSlots stages plus one job's activations.
+  static constexpr int kStageSlots = 2;
+  void take_stage_slot();
+  void give_back_stage_slot(std::vector<FencePtr> last_use);
 
  protected:
   // Set-up run on the worker thread before any task (thread-locals).
@@ -115,6 +143,9 @@ class Device {
   int index_;
   std::string name_;
   std::unique_ptr<WorkerThread> worker_;
+  // Worker thread only.
+  int slots_in_use_ = 0;
+  std::deque<std::vector<FencePtr>> slots_released_;  // oldest first: their last use's fences
 };
 
 // Deliberate failures of a CPU virtual device, for tests of error handling:
@@ -122,10 +153,14 @@ class Device {
 // computation (forward or recompute of one layer for one microbatch).
 enum class Fault { kUpload, kDownload, kAllocation, kCompute };
 
+class CopyLane;
+
 // The CPU virtual device.
 class CpuDevice final : public Device {
  public:
-  explicit CpuDevice(int index);
+  // `copy_delay`: every copy completes at least this long after it was
+  // issued, and a floating-point destination reads as NaN until it has.
+  CpuDevice(int index, std::chrono::microseconds copy_delay);
   ~CpuDevice() override;
 
   // Makes the nth (>= 1) operation of kind `fault` on this device from now
@@ -135,6 +170,10 @@ class CpuDevice final : public Device {
   // Memory the device may use, like an accelerator's (0: unlimited).
   // Allocations beyond it fail with "out of memory".
   void set_memory_capacity(int64_t bytes) { counter_.set_capacity(bytes); }
+  // Every copy issued from now on completes at least this long after it was
+  // issued (ROUNDPIPE_CPU_COPY_DELAY_US sets it for every CPU device).
+  void set_copy_delay(std::chrono::microseconds delay);
+  std::chrono::microseconds copy_delay() const { return std::chrono::microseconds(copy_delay_us_.load()); }
   // A slow device: every layer computation first sleeps this long (0: none).
   void set_layer_delay(std::chrono::microseconds delay) { layer_delay_us_.store(delay.count()); }
 
@@ -143,13 +182,15 @@ class CpuDevice final : public Device {
   int64_t max_memory_allocated() const override { return counter_.peak(); }
   void reset_peak_memory() override { counter_.reset_peak(); }
 
-  at::Tensor upload(const at::Tensor& host, Lane lane, const FencePtr& after) override;
-  at::Tensor download(const at::Tensor& device_tensor, FencePtr* fence_out) override;
-  void compute_wait(const FencePtr& fence) override {}
-  FencePtr compute_fence() override { return nullptr; }
-  void synchronize() override {}
-  // Lanes are synchronous: a mark is the host clock now.
-  MarkPtr mark(Lane lane) override { return std::make_shared<TimeMark>(host_now_ms()); }
+  std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane, const FencePtr& after) override;
+  std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) override;
+  FencePtr lane_fence(Lane lane) override;
+  // Compute runs on the worker: waiting is blocking it.
+  void compute_wait(const FencePtr& fence) override {
+    if (fence) fence->synchronize();
+  }
+  void synchronize() override;
+  MarkPtr mark(Lane lane) override;
   void before_layer() override;
 
  protected:
@@ -157,13 +198,23 @@ class CpuDevice final : public Device {
 
  private:
   void check_fault(Fault fault);
+  CopyLane& copy_lane(Lane lane);
+  // A destination for a copy of `like`: NaN until written when copies are
+  // delayed (a read without its fence then shows).
+  at::Tensor copy_destination(const at::Tensor& like) const;
 
   MemoryCounter counter_;
+  std::atomic<int64_t> copy_delay_us_;
+  std::unique_ptr<CopyLane> lanes_[3];  // parameter upload, activation upload, download
   std::atomic<int64_t> fail_upload_in_{0};
   std::atomic<int64_t> fail_download_in_{0};
   std::atomic<int64_t> fail_compute_in_{0};
   std::atomic<int64_t> layer_delay_us_{0};
 };
+
+// ROUNDPIPE_CPU_COPY_DELAY_US (0 when unset). Throws c10::ValueError on a
+// value that is not a number of microseconds in 0..10^7.
+std::chrono::microseconds cpu_copy_delay_from_env();
 
 // Creates the accelerator device `index` of type `type` (e.g. CUDA), pool
 // position `pool_index`. Throws when the backend is not available.

@@ -81,10 +81,11 @@ DevicePool& DevicePool::instance() {
 }
 
 DevicePool::DevicePool(const std::vector<std::string>& specs) {
+  const std::chrono::microseconds copy_delay = cpu_copy_delay_from_env();
   for (size_t i = 0; i < specs.size(); ++i) {
     const int index = static_cast<int>(i);
     if (specs[i].rfind("cpu:", 0) == 0) {
-      devices_.push_back(std::make_unique<CpuDevice>(index));
+      devices_.push_back(std::make_unique<CpuDevice>(index, copy_delay));
     } else {
       devices_.push_back(make_accelerator_device(index, c10::Device(specs[i])));
     }

@@ -5,8 +5,12 @@
 #include <roundpipe/devices.h>
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <future>
+#include <thread>
 
+#include "copy_delay.h"
 #include "runtime/device_pool.h"
 
 namespace roundpipe {
@@ -52,6 +56,90 @@ TEST(DevicePool, UsesTheEnvironmentAndReportsMemoryPerDevice) {
   done.get_future().wait();
   EXPECT_EQ(dev.memory_allocated(), before);
   EXPECT_GE(dev.max_memory_allocated(), before + (1 << 20));
+}
+
+// Runs `fn` on device `dev`'s worker and waits for it.
+template <typename F>
+void on_worker(Device& dev, F fn) {
+  std::promise<void> done;
+  dev.submit([&] {
+    fn();
+    done.set_value();
+  });
+  done.get_future().wait();
+}
+
+TEST(CpuDeviceLanes, ACopyCompletesLateAndReadsAsNaNUntilItsFence) {
+  testing::CopyDelay delay(30000);
+  Device& dev = DevicePool::instance().device(0);
+  at::Tensor host = at::arange(8, at::kFloat);
+  on_worker(dev, [&] {
+    const auto issued = std::chrono::steady_clock::now();
+    at::Tensor up = dev.upload({host}, Lane::kParamUpload, nullptr)[0];
+    FencePtr fence = dev.lane_fence(Lane::kParamUpload);
+    EXPECT_TRUE(up.isnan().all().item<bool>()) << "read before its copy completed";
+    fence->synchronize();
+    EXPECT_GE(std::chrono::steady_clock::now() - issued, std::chrono::microseconds(30000));
+    EXPECT_TRUE(up.equal(host));
+    // A download also completes at its lane's next fence, not before.
+    at::Tensor down = dev.download({up * 2})[0];
+    EXPECT_TRUE(down.isnan().all().item<bool>());
+    dev.lane_fence(Lane::kDownload)->synchronize();
+    EXPECT_TRUE(down.equal(host * 2));
+  });
+}
+
+TEST(CpuDeviceLanes, LanesRunInIssueOrderAndAnUploadWaitsForItsAfterFence) {
+  testing::CopyDelay delay(2000);
+  Device& a = DevicePool::instance().device(0);
+  Device& b = DevicePool::instance().device(1);
+  at::Tensor host = at::randn({64});
+  at::Tensor on_a, from_a, on_b;
+  FencePtr downloaded;
+  on_worker(a, [&] {
+    on_a = a.upload({host}, Lane::kActUpload, nullptr)[0];
+    a.compute_wait(a.lane_fence(Lane::kActUpload));
+    from_a = a.download({on_a + 1})[0];
+    downloaded = a.lane_fence(Lane::kDownload);
+  });
+  on_worker(b, [&] {
+    on_b = b.upload({from_a}, Lane::kActUpload, downloaded)[0];  // waits for a's download on its lane
+    b.lane_fence(Lane::kActUpload)->synchronize();
+  });
+  EXPECT_TRUE(on_b.equal(host + 1));
+}
+
+TEST(CpuDeviceLanes, MemoryIsChargedUntilTheFenceOfItsLastUse) {
+  testing::CopyDelay delay(30000);
+  Device& dev = DevicePool::instance().device(2);
+  on_worker(dev, [&] {
+    const int64_t before = dev.memory_allocated();
+    FencePtr fence;
+    {
+      at::Tensor t = at::ones({1 << 18}, at::kFloat);  // 1 MiB of device memory
+      dev.download({t});
+      fence = dev.lane_fence(Lane::kDownload);
+    }  // dropped by the worker while its download is still pending
+    EXPECT_GE(dev.memory_allocated(), before + (4 << 18)) << "freed before its last use completed";
+    fence->synchronize();
+    EXPECT_EQ(dev.memory_allocated(), before);
+  });
+}
+
+TEST(CpuDeviceLanes, TheCopyDelayVariableIsValidated) {
+  ASSERT_EQ(setenv("ROUNDPIPE_CPU_COPY_DELAY_US", "250", 1), 0);
+  EXPECT_EQ(cpu_copy_delay_from_env(), std::chrono::microseconds(250));
+  for (const char* bad : {"-1", "fast", "10ms", "99999999999"}) {
+    ASSERT_EQ(setenv("ROUNDPIPE_CPU_COPY_DELAY_US", bad, 1), 0);
+    try {
+      cpu_copy_delay_from_env();
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const c10::ValueError& e) {
+      EXPECT_THAT(std::string(e.what()), HasSubstr("ROUNDPIPE_CPU_COPY_DELAY_US")) << bad;
+    }
+  }
+  unsetenv("ROUNDPIPE_CPU_COPY_DELAY_US");
+  EXPECT_EQ(cpu_copy_delay_from_env(), std::chrono::microseconds(0));
 }
 
 }  // namespace

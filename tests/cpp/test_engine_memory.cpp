@@ -1,6 +1,7 @@
 // Device memory is bounded by a stage, not by the model (B6).
 #include <gtest/gtest.h>
 
+#include "copy_delay.h"
 #include "models.h"
 
 namespace roundpipe {
@@ -36,6 +37,18 @@ TEST(DeviceMemory, PeakIsFlatInModelDepth) {
   const int64_t peak8 = peak_device_bytes(8);
   const int64_t peak32 = peak_device_bytes(32);
   EXPECT_GT(peak8, 128 * 128 * 4);  // at least one layer's weights were on a device
+  EXPECT_LE(static_cast<double>(peak32), 1.1 * static_cast<double>(peak8))
+      << "peak bytes: 8 layers " << peak8 << ", 32 layers " << peak32;
+}
+
+TEST(DeviceMemory, PeakIsFlatInModelDepthWhenWorkersRunFarAheadOfTheirLanes) {
+  // Copies complete 2 ms after they are issued, far longer than a layer
+  // computes: without the stage slots a worker would queue every stage's
+  // gradient download (holding its memory) before the first completed.
+  CopyDelay delay(2000);
+  const int64_t peak8 = peak_device_bytes(8);
+  const int64_t peak32 = peak_device_bytes(32);
+  EXPECT_GT(peak8, 128 * 128 * 4);
   EXPECT_LE(static_cast<double>(peak32), 1.1 * static_cast<double>(peak8))
       << "peak bytes: 8 layers " << peak8 << ", 32 layers " << peak32;
 }

@@ -5,7 +5,9 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <set>
@@ -15,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include "copy_delay.h"
+#include "engine/tracer.h"
 #include "models.h"
 #include "schedule/simulator.h"
 
@@ -70,6 +74,67 @@ TEST(ModelTimer, StateRoundTripAndErrors) {
   EXPECT_THROW(a.record(0, LayerAction::kForward, std::nan("")), c10::ValueError);
   a.reset();
   EXPECT_FALSE(a.estimate(2, LayerAction::kRecompute).has_value());
+}
+
+// ---- Overlap of uploads and compute ----
+
+TEST(Overlap, NextStageUploadsWhileThisStageComputesAndComputeWaitsOnlyForItsOwnStage) {
+  // One device runs every job; layers compute for 3 ms and copies complete
+  // 4 ms after they are issued. The prefetch of job k+1's parameters must
+  // run during job k's compute; job k's first compute must start after job
+  // k's own upload completed, but before job k+1's did.
+  auto& dev = *testing::cpu_devices().at(0);
+  testing::CopyDelay delay(4000);
+  dev.set_layer_delay(std::chrono::microseconds(3000));
+  torch::manual_seed(1);
+  torch::nn::Sequential net;
+  for (int i = 0; i < 4; ++i) net->push_back(torch::nn::Linear(64, 64));
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(1));
+  ModelExecutePlan plan;
+  plan.fwd_plan = {{0, 1}, {1, 2}, {2, 3}};
+  plan.bwd_plan = {{3, 4}, {2, 3}, {1, 2}, {0, 1}};
+  const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(plan);
+  at::Tensor x = torch::randn({6, 64});
+  LossFn loss_fn = [](const c10::IValue& out, const c10::IValue&) -> c10::IValue { return out.toTensor().square().mean(); };
+  char path[] = "/tmp/roundpipe_overlap_XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  start_trace(path);
+  model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg);
+  std::vector<TraceEvent> events = Tracer::instance().events();
+  stop_trace();
+  dev.set_layer_delay(std::chrono::microseconds(0));
+  std::remove(path);
+
+  // Per job (kind, stage): its parameter upload and its compute interval.
+  struct Interval {
+    double begin = 1e300, end = -1e300;
+  };
+  std::map<std::pair<std::string, int64_t>, Interval> upload, compute;
+  std::map<std::pair<std::string, int64_t>, double> first_compute;
+  for (const TraceEvent& e : events) {
+    const auto job = std::make_pair(e.job, e.stage);
+    Interval* in = e.kind == "upload" ? &upload[job] : e.kind == "compute" ? &compute[job] : nullptr;
+    if (in == nullptr) continue;
+    in->begin = std::min(in->begin, e.start_us);
+    in->end = std::max(in->end, e.start_us + e.dur_us);
+  }
+  ASSERT_EQ(compute.size(), 7u);
+  ASSERT_EQ(upload.size(), 7u);
+  // Jobs in the order the device ran them.
+  std::vector<std::pair<std::string, int64_t>> order;
+  for (const auto& [job, in] : compute) order.push_back(job);
+  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) { return compute[a].begin < compute[b].begin; });
+  for (size_t k = 0; k < order.size(); ++k) {
+    const std::string name = order[k].first + " stage " + std::to_string(order[k].second);
+    EXPECT_GE(compute[order[k]].begin, upload[order[k]].end) << name << " computed before its parameters arrived";
+    if (k + 1 == order.size()) continue;
+    const Interval& next_upload = upload[order[k + 1]];
+    EXPECT_LT(compute[order[k]].begin, next_upload.end)
+        << name << " waited for the next stage's parameters before computing";
+    EXPECT_LT(next_upload.begin, compute[order[k]].end) << "the next stage's upload did not overlap " << name;
+  }
 }
 
 // ---- Timing in real runs ----
