@@ -34,6 +34,15 @@ Slot Call::wait(const Slot& slot) {
   return slot;
 }
 
+Slot Call::take(Slot& slot) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return slot.ready || error_ != nullptr; });
+  if (error_ != nullptr) throw Cancelled{};
+  Slot out = slot;
+  if (slot.device >= 0) slot.value = c10::IValue();
+  return out;
+}
+
 void Call::publish(Slot& slot, Slot value) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -415,10 +424,13 @@ class JobRunner {
     for (const at::Tensor& t : host) {
       if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
     }
-    auto gate = std::make_shared<ParamGateFence>(c_.model.gate, std::move(gated), c_.model.generation);
-    std::vector<at::Tensor> moved = dev_.upload(host, Lane::kParamUpload, gate);
     StageTensors st;
-    st.uploaded = dev_.lane_fence(Lane::kParamUpload);
+    std::vector<at::Tensor> moved;
+    if (!host.empty()) {  // a stage without parameters or buffers waits for nothing
+      auto gate = std::make_shared<ParamGateFence>(c_.model.gate, std::move(gated), c_.model.generation);
+      moved = dev_.upload(host, Lane::kParamUpload, gate);
+      st.uploaded = dev_.lane_fence(Lane::kParamUpload);
+    }
     size_t next_buffer = first_buffer;
     for (int64_t l = range.begin; l < range.end; ++l) {
       std::vector<at::Tensor> params;
@@ -529,7 +541,7 @@ class JobRunner {
     const RunMode mode = c_.saves_for_backward ? RunMode::kSaving : RunMode::kPlain;
     for (int64_t m = 0; m < c_.num_microbatch; ++m) {
       cursor.microbatch = m;
-      Slot in = c_.wait(c_.flow[j_][m]);
+      Slot in = c_.take(c_.flow[j_][m]);
       c10::IValue x = fetch(in, m);
       MarkPtr start = mark(Lane::kCompute);
       for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
@@ -549,7 +561,7 @@ class JobRunner {
     for (int64_t m = 0; m < c_.num_microbatch; ++m) {
       cursor.microbatch = m;
       cursor.layer = -1;
-      Slot in = c_.wait(c_.flow[j_][m]);
+      Slot in = c_.take(c_.flow[j_][m]);
       auto [x, leaves] = make_leaves(fetch(in, m), in.value, job_.layers.begin);
       c10::IValue label = fetch(Slot{c_.labels[m], -1, nullptr, true}, m);
       MarkPtr start = mark(Lane::kCompute);
@@ -582,7 +594,7 @@ class JobRunner {
     for (int64_t m = 0; m < c_.num_microbatch; ++m) {
       cursor.microbatch = m;
       cursor.layer = -1;
-      Slot grad_slot = c_.wait(c_.flow[j_][m]);
+      Slot grad_slot = c_.take(c_.flow[j_][m]);
       Slot input_slot = c_.wait(c_.record->stage_inputs[range.begin][m]);
       std::vector<at::Tensor> grads = tensors_from_ivalue(fetch(grad_slot, m));
       c10::IValue input = fetch(input_slot, m);

@@ -130,6 +130,10 @@ class Call {
   void init_flow();
   // Blocks until `slot` is ready; throws Cancelled if the call failed.
   Slot wait(const Slot& slot);
+  // wait() for a job's input slot, whose only consumer the job is: a value
+  // left on a device moves out of the slot, so the device memory goes when
+  // the job is done with it rather than at the end of the call.
+  Slot take(Slot& slot);
   void publish(Slot& slot, Slot value);
   void fail(std::exception_ptr error, const std::string& context);
   bool failed();

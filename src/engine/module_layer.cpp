@@ -5,7 +5,9 @@
 #include <torch/nn/modules/container/any.h>
 
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "engine/layer.h"
 #include "engine/rng.h"
@@ -20,10 +22,27 @@ NamedTensors to_named(const torch::OrderedDict<std::string, at::Tensor>& dict) {
   return out;
 }
 
+// libtorch's own modules whose forward never draws random numbers, so their
+// runs need no keyed generator (which costs a save and restore of its state
+// per run). Only leaves: a container may hold a Dropout.
+bool is_random_free(const torch::nn::Module& m) {
+  if (dynamic_cast<const RandomFree*>(&m) != nullptr) return true;
+  static const std::unordered_set<std::string> kLibtorchRandomFree = {
+      "torch::nn::LinearImpl", "torch::nn::BilinearImpl", "torch::nn::IdentityImpl", "torch::nn::FlattenImpl",
+      "torch::nn::UnflattenImpl", "torch::nn::EmbeddingImpl", "torch::nn::Conv1dImpl", "torch::nn::Conv2dImpl",
+      "torch::nn::Conv3dImpl", "torch::nn::LayerNormImpl", "torch::nn::GroupNormImpl",
+      "torch::nn::BatchNorm1dImpl", "torch::nn::BatchNorm2dImpl", "torch::nn::BatchNorm3dImpl",
+      "torch::nn::ReLUImpl", "torch::nn::ReLU6Impl", "torch::nn::LeakyReLUImpl", "torch::nn::PReLUImpl",
+      "torch::nn::GELUImpl", "torch::nn::SiLUImpl", "torch::nn::MishImpl", "torch::nn::TanhImpl",
+      "torch::nn::SigmoidImpl", "torch::nn::SoftmaxImpl", "torch::nn::LogSoftmaxImpl", "torch::nn::ELUImpl",
+      "torch::nn::SELUImpl", "torch::nn::CELUImpl", "torch::nn::SoftplusImpl", "torch::nn::HardtanhImpl"};
+  return m.children().empty() && kLibtorchRandomFree.count(m.name()) > 0;
+}
+
 class ModuleLayer final : public Layer {
  public:
   ModuleLayer(torch::nn::AnyModule any, int64_t index)
-      : any_(std::move(any)), module_(any_.ptr()), index_(index) {
+      : any_(std::move(any)), module_(any_.ptr()), index_(index), random_free_(is_random_free(*module_)) {
     for (const auto& p : module_->named_parameters()) check_on_cpu("parameter", p.key(), p.value());
     for (const auto& b : module_->named_buffers()) check_on_cpu("buffer", b.key(), b.value());
     replica_for(0);  // cloning problems surface at construction
@@ -34,7 +53,7 @@ class ModuleLayer final : public Layer {
   NamedTensors named_buffers() const override { return to_named(module_->named_buffers()); }
   bool is_training() const override { return module_->is_training(); }
   void train(bool on) override { module_->train(on); }
-  bool may_draw_random() const override { return dynamic_cast<const RandomFree*>(module_.get()) == nullptr; }
+  bool may_draw_random() const override { return !random_free_; }
 
   std::vector<at::Tensor> bind(int replica, const std::vector<at::Tensor>& params,
                                const std::vector<at::Tensor>& buffers) override {
@@ -157,6 +176,7 @@ class ModuleLayer final : public Layer {
   torch::nn::AnyModule any_;
   std::shared_ptr<torch::nn::Module> module_;
   int64_t index_;
+  bool random_free_;  // runs skip the keyed generator
   std::mutex mu_;
   std::unordered_map<int, Replica> replicas_;  // guarded by mu_ (entries are stable)
 };

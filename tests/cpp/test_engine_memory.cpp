@@ -53,6 +53,35 @@ TEST(DeviceMemory, PeakIsFlatInModelDepthWhenWorkersRunFarAheadOfTheirLanes) {
       << "peak bytes: 8 layers " << peak8 << ", 32 layers " << peak32;
 }
 
+// Stages without parameters wait for no upload, so one device's worker races
+// through their forward jobs while the copies of the stage inputs they keep
+// for the backward pass are still pending (20 ms each): each holds its
+// device memory until it completed. The stage slots make the worker wait for
+// the job before last, so the peak does not grow with depth.
+int64_t peak_with_pending_downloads(int64_t layers) {
+  torch::manual_seed(13);
+  torch::nn::Sequential net;
+  net->push_back(torch::nn::Linear(128, 128));
+  for (int64_t i = 1; i < layers; ++i) net->push_back(torch::nn::Tanh());
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(1));
+  RunConfig cfg = RunConfig().num_microbatch(2).execute_plan(one_layer_stages(layers));
+  LossFn loss_fn = [](const c10::IValue& out, const c10::IValue&) -> c10::IValue { return out.toTensor().square().mean(); };
+  at::Tensor x = torch::randn({512, 128});  // 128 KiB per microbatch
+  CopyDelay delay(20000);
+  model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg);
+  reset_peak_device_memory();
+  model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg);
+  return device_memory_stats()[0].max_allocated_bytes;
+}
+
+TEST(DeviceMemory, PendingCopiesOfEarlierJobsAreBoundedByTheStageSlots) {
+  const int64_t peak8 = peak_with_pending_downloads(8);
+  const int64_t peak32 = peak_with_pending_downloads(32);
+  EXPECT_GT(peak8, 512 * 128 * 4);
+  EXPECT_LE(static_cast<double>(peak32), 1.1 * static_cast<double>(peak8))
+      << "peak bytes: 8 layers " << peak8 << ", 32 layers " << peak32;
+}
+
 TEST(DeviceMemory, DevicesHoldNothingBetweenCalls) {
   torch::nn::Sequential net(torch::nn::Linear(64, 64), torch::nn::Linear(64, 64));
   RoundPipe model(net, RoundPipeOptions().set_max_devices(2));
