@@ -426,9 +426,11 @@ class JobRunner {
     }
     StageTensors st;
     std::vector<at::Tensor> moved;
+    MarkPtr end;
     if (!host.empty()) {  // a stage without parameters or buffers waits for nothing
       auto gate = std::make_shared<ParamGateFence>(c_.model.gate, std::move(gated), c_.model.generation);
       moved = dev_.upload(host, Lane::kParamUpload, gate);
+      end = mark(Lane::kParamUpload);  // before the fence: compute waiting for it starts after the mark
       st.uploaded = dev_.lane_fence(Lane::kParamUpload);
     }
     size_t next_buffer = first_buffer;
@@ -443,7 +445,10 @@ class JobRunner {
       st.params.push_back(std::move(params));
       st.buffers.push_back(std::move(buffers));
     }
-    add_span(TraceLane::kParamUpload, Lane::kParamUpload, "upload", "params", job, -1, bytes, start);
+    if (c_.trace) {
+      record_.spans.push_back(SpanRecord{TraceLane::kParamUpload, "upload", "params", static_cast<int64_t>(job), -1,
+                                         bytes, std::move(start), end ? end : dev_.mark(Lane::kParamUpload)});
+    }
     return st;
   }
 
