@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <limits>
 #include <string>
 #include <thread>
@@ -52,22 +51,6 @@ void Device::give_back_stage_slot(std::vector<FencePtr> last_use) {
   TORCH_INTERNAL_ASSERT(slots_in_use_ > 0, "a stage slot was given back twice on ", name_);
   --slots_in_use_;
   slots_released_.push_back(std::move(last_use));
-}
-
-std::chrono::microseconds cpu_copy_delay_from_env() {
-  const char* env = std::getenv("ROUNDPIPE_CPU_COPY_DELAY_US");
-  if (env == nullptr || *env == '\0') return std::chrono::microseconds(0);
-  const std::string text = env;
-  size_t used = 0;
-  long long value = -1;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  TORCH_CHECK_VALUE(used == text.size() && value >= 0 && value <= 10000000, "ROUNDPIPE_CPU_COPY_DELAY_US='",
-                    text, "' is not a delay in microseconds (an integer in 0..10000000)");
-  return std::chrono::microseconds(value);
 }
 
 CpuDevice::CpuDevice(int index, std::chrono::microseconds copy_delay)

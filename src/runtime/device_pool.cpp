@@ -4,29 +4,45 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
+#include <string>
 
 #include "roundpipe/devices.h"
 
 namespace roundpipe {
 namespace {
 
-int64_t parse_count(const std::string& text, const std::string& spec) {
+// `text` as a whole non-negative integer; -1 when it is not one.
+long long parse_non_negative(const std::string& text) {
   size_t used = 0;
   long long value = -1;
   try {
     value = std::stoll(text, &used);
   } catch (const std::exception&) {
-    used = 0;
+    return -1;
   }
-  TORCH_CHECK_VALUE(used == text.size() && value >= 0,
-                    "ROUNDPIPE_DEVICES='", spec, "': '", text,
+  return used == text.size() && value >= 0 ? value : -1;
+}
+
+int64_t parse_count(const std::string& text, const std::string& spec) {
+  const long long value = parse_non_negative(text);
+  TORCH_CHECK_VALUE(value >= 0, "ROUNDPIPE_DEVICES='", spec, "': '", text,
                     "' is not a device number; use cuda, cuda:0,2 or cpu:N");
   return value;
 }
 
 }  // namespace
+
+std::chrono::microseconds cpu_copy_delay_from_env() {
+  const char* env = std::getenv("ROUNDPIPE_CPU_COPY_DELAY_US");
+  if (env == nullptr || *env == '\0') return std::chrono::microseconds(0);
+  const long long value = parse_non_negative(env);
+  TORCH_CHECK_VALUE(value >= 0 && value <= 10000000, "ROUNDPIPE_CPU_COPY_DELAY_US='", env,
+                    "' is not a delay in microseconds (an integer in 0..10000000)");
+  return std::chrono::microseconds(value);
+}
 
 std::vector<std::string> DevicePool::parse_spec(const std::string& spec, int64_t num_cuda) {
   std::vector<std::string> out;
