@@ -1,5 +1,5 @@
-// One call's pipeline: its jobs, the values flowing between them, and its
-// outcome. Shared by the user thread and the device workers running its jobs.
+// One call's pipeline: its jobs and their lane programs, the values flowing
+// between them, and its outcome. Shared by the user thread and the device workers running its jobs.
 //
 // Thread-safety: every field below `mu` is guarded by it; the rest is set
 // before the jobs are submitted and read-only afterwards (except where noted).
@@ -21,6 +21,7 @@
 #include "roundpipe/model.h"
 #include "roundpipe/timer.h"
 #include "runtime/device.h"
+#include "schedule/lane_program.h"
 #include "schedule/scheduler.h"
 #include "schedule/trace.h"
 #include "util/countdown.h"
@@ -65,8 +66,10 @@ struct ModelView {
 struct StageTensors {
   std::vector<std::vector<at::Tensor>> params;   // [layer in stage][param]
   std::vector<std::vector<at::Tensor>> buffers;  // [layer in stage][buffer]
-  FencePtr uploaded;                             // the upload is complete after this
+  FencePtr uploaded;                             // the upload is complete after this (null: nothing uploaded)
   bool holds_slot = false;                       // took one of its device's stage slots
+  int64_t bytes = 0;                             // uploaded
+  MarkPtr start, end;                            // of the upload, when timed
 };
 
 // One timed piece of a job's work on its device (for traces).
@@ -105,6 +108,7 @@ class Call {
   bool preserve_rng = true;
   bool saves_for_backward = false;  // forward stages keep inputs for backward stages
   std::vector<JobSpec> jobs;
+  std::vector<JobProgram> programs;       // [job]: what it does on its device (set with the devices)
   std::shared_ptr<ForwardRecord> record;  // written by forward stages, read by backward ones
   std::vector<char> backward_starts;      // [layer]: a backward (non-fused) stage starts here
   std::vector<c10::IValue> labels;        // [M] (fused calls)
@@ -152,13 +156,6 @@ class Call {
 
 // Thrown inside a job when another job of its call failed first.
 struct Cancelled {};
-
-// Runs job `j` of `call` on `device` (a device worker task). Never throws:
-// errors are recorded in the call. The worker never owns the call: its owner
-// waits for every job (wait_all) and destroys it on its own thread, since
-// the values it holds may be Python objects, which a worker must not need
-// once the call returned (the interpreter may be shutting down).
-void run_job(Call& call, size_t j, Device& device);
 
 // An exception that is not a c10::Error but takes the engine's context in
 // place, so it keeps its identity (a language binding's errors, e.g. a Python

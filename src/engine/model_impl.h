@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/call.h"
+#include "engine/job_runner.h"
 #include "engine/call_timing.h"
 #include "engine/data_parallel.h"
 #include "engine/host_store.h"
@@ -194,6 +195,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   void execute(const std::shared_ptr<Call>& call) {
     DevicePool& pool = DevicePool::instance();
     round_robin().assign(call->jobs, num_devices);
+    call->programs = make_lane_programs(call->jobs, call->num_microbatch);
     std::vector<int64_t> devices;
     std::vector<std::function<void(Device&)>> tasks;
     for (size_t j = 0; j < call->jobs.size(); ++j) {

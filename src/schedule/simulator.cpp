@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <map>
@@ -15,6 +16,7 @@
 #include <string>
 #include <utility>
 
+#include "schedule/lane_program.h"
 #include "schedule/scheduler.h"
 
 namespace roundpipe {
@@ -124,7 +126,7 @@ class Timeline {
   Timeline(int64_t num_devices, double link_gbps)
       : num_devices_(num_devices),
         bytes_per_ms_(link_gbps * 1e6),
-        engine_(static_cast<int>(3 * num_devices + 1)),
+        engine_(static_cast<int>(4 * num_devices + 1)),
         last_(num_devices + 1, {kNone, kNone, kNone, kNone, kNone}) {}
 
   // Adds a task on `lane` of `device` (-1: the host), after that lane's
@@ -139,7 +141,28 @@ class Timeline {
     event.lane = lane;
     events_.push_back(std::move(event));
     iteration_of_.push_back(iteration_);
+    shown_.push_back(1);
     return id;
+  }
+
+  // A zero-time step of `device`'s host side (its worker) after `deps`: not
+  // an event of the trace.
+  int host_step(int64_t device, const std::vector<int>& deps) {
+    const int id = engine_.add(static_cast<int>(3 * num_devices_ + 1 + device), 0.0);
+    for (int dep : deps) engine_.depend(id, dep);
+    TraceEvent event;
+    event.device = device;
+    events_.push_back(std::move(event));
+    iteration_of_.push_back(iteration_);
+    shown_.push_back(0);
+    return id;
+  }
+
+  // The last task issued on each of `device`'s lanes.
+  std::vector<int> lane_ends(int64_t device) const {
+    const auto& last = last_[device + 1];
+    return {last[static_cast<int>(TraceLane::kParamUpload)], last[static_cast<int>(TraceLane::kActUpload)],
+            last[static_cast<int>(TraceLane::kCompute)], last[static_cast<int>(TraceLane::kDownload)]};
   }
 
   // A transfer of `bytes` on `lane` of `device` after `after`; with no bytes
@@ -165,13 +188,13 @@ class Timeline {
   double start(int id) const { return engine_.task(id).start; }
   double end(int id) const { return engine_.task(id).end; }
   int size() const { return engine_.size(); }
-  bool is_compute(int id) const { return events_[id].lane == TraceLane::kCompute; }
+  bool is_compute(int id) const { return shown_[id] && events_[id].lane == TraceLane::kCompute; }
 
   // End of the last task of each iteration (after run()).
   std::vector<double> iteration_ends(int64_t iterations) const {
     std::vector<double> ends(iterations, 0.0);
     for (int id = 0; id < size(); ++id) {
-      if (events_[id].device < 0) continue;  // the optimizer is off the critical path
+      if (events_[id].device < 0 || !shown_[id]) continue;  // the optimizer is off the critical path
       ends[iteration_of_[id]] = std::max(ends[iteration_of_[id]], end(id));
     }
     return ends;
@@ -200,7 +223,9 @@ class Timeline {
     r.single_throughput = r.throughput = Throughput(num_microbatch, r.makespan_ms);
     r.single_bubble = r.bubble =
         Bubble(busy_between(0, r.makespan_ms), num_devices_, r.makespan_ms);
-    r.events = events_;
+    for (int id = 0; id < size(); ++id) {
+      if (shown_[id]) r.events.push_back(events_[id]);
+    }
     return r;
   }
 
@@ -228,6 +253,7 @@ class Timeline {
   std::vector<std::array<int, 5>> last_;  // [device + 1][lane]: the lane's last task
   std::vector<TraceEvent> events_;        // [task]
   std::vector<int64_t> iteration_of_;     // [task]
+  std::vector<char> shown_;               // [task]: an event of the trace (not a host step)
   int64_t iteration_ = 0;
 };
 
@@ -260,7 +286,8 @@ class RoundPipeSim {
         o_(o),
         tl_(o.num_devices, o.link_gbps),
         rr_(o.num_devices),
-        fifo_(o.num_devices) {}
+        host_(o.num_devices, kNone),
+        slots_(o.num_devices) {}
 
   // Adds `iterations` iterations, then runs them.
   Timeline& run(int64_t iterations) {
@@ -270,16 +297,28 @@ class RoundPipeSim {
   }
 
  private:
-  struct JobRecord {
-    int64_t call;
-    int last_compute;
-  };
-
   // What an iteration's calls share.
   struct Iteration {
     std::map<int64_t, std::vector<Value>> saved;  // [layer][m]: saved stage inputs on the host
     std::vector<Value> outputs;                   // [m]: the forward call's outputs (kTrain)
     std::vector<int> grads;                       // gradient downloads
+  };
+
+  // A device's stage slots, as Device::take_stage_slot keeps them.
+  struct Slots {
+    int in_use = 0;
+    std::deque<int> given_back;  // give-back steps whose fences a take may wait for
+  };
+
+  // One call being added: its jobs, their programs, the task of every op.
+  struct CallState {
+    CallKind kind;
+    std::vector<JobSpec> jobs;
+    std::vector<JobProgram> programs;
+    std::vector<std::vector<int>> task;  // [job][op]
+    std::vector<char> saves;             // [layer]: forward jobs save this layer's input
+    std::vector<Value> in;               // [m]: the call's inputs
+    std::vector<std::vector<Value>> out; // [job][m]: what each job hands on
   };
 
   int64_t act(int64_t layer) const {  // bytes handed on after `layer`
@@ -291,22 +330,24 @@ class RoundPipeSim {
     Iteration iter;
     const int64_t m = o_.num_microbatch;
     for (CallKind kind : CallsOf(o_.run_kind)) {
-      std::vector<JobSpec> jobs = make_jobs(plan_, kind);
-      rr_.assign(jobs, o_.num_devices);
-      std::vector<char> saves(c_.num_layers(), 0);  // forward jobs save this layer's input
+      CallState call;
+      call.kind = kind;
+      call.jobs = make_jobs(plan_, kind);
+      rr_.assign(call.jobs, o_.num_devices);
+      call.programs = make_lane_programs(call.jobs, m);
+      call.task.resize(call.jobs.size());
+      call.out.assign(call.jobs.size(), std::vector<Value>(m));
+      call.saves.assign(c_.num_layers(), 0);
       if (kind != CallKind::kBackward && o_.run_kind != RunKind::kInfer) {
         const size_t first = kind == CallKind::kFused ? 1 : 0;  // the fused stage saves nothing
-        for (size_t s = first; s < plan_.bwd_plan.size(); ++s) saves[plan_.bwd_plan[s].begin] = 1;
+        for (size_t s = first; s < plan_.bwd_plan.size(); ++s) call.saves[plan_.bwd_plan[s].begin] = 1;
       }
-      std::vector<Value> flow(m, Value{kNone, -1, o_.input_bytes});
+      call.in.assign(m, Value{kNone, -1, o_.input_bytes});
       if (kind == CallKind::kBackward) {
-        for (int64_t i = 0; i < m; ++i) flow[i] = Value{iter.outputs[i].task, -1, o_.output_bytes};
+        for (int64_t i = 0; i < m; ++i) call.in[i] = Value{iter.outputs[i].task, -1, o_.output_bytes};
       }
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        const int64_t next = j + 1 < jobs.size() ? jobs[j + 1].device : -1;
-        flow = add_job(jobs[j], next, flow, saves, iter);
-      }
-      if (kind == CallKind::kForward) iter.outputs = flow;
+      for (size_t j = 0; j < call.jobs.size(); ++j) add_job(call, j, iter);
+      if (kind == CallKind::kForward) iter.outputs = call.out.back();
       ++call_;
     }
     if (o_.optimizer_ms > 0) {
@@ -335,22 +376,35 @@ class RoundPipeSim {
     return e;
   }
 
+  static std::string Tag(const JobSpec& job) {
+    return std::string(job_kind_name(job.kind)).substr(0, 3) + " s" + std::to_string(job.stage);
+  }
+
+  // A task that `d`'s worker issues: it starts no earlier than the worker's
+  // last wait for a slot.
+  int issued(int64_t d, int task) {
+    if (task != kNone && host_[d] != kNone) tl_.depend(task, host_[d]);
+    return task;
+  }
+
   // `v` on device `d`: the task after which it is there.
   int to_device(int64_t d, const Value& v, TraceEvent event) {
     if (v.device == d) return v.task;
     TORCH_INTERNAL_ASSERT(v.device == -1,
                           "simulator: a value moves between devices without the host");
-    return tl_.transfer(d, TraceLane::kActUpload, v.bytes, v.task, std::move(event));
+    if (v.bytes == 0) return v.task;
+    return issued(d, tl_.transfer(d, TraceLane::kActUpload, v.bytes, v.task, std::move(event)));
   }
 
   // A value made on `d` by `task`, handed to `consumer` (-1: the host).
   Value hand_off(int64_t d, int task, int64_t bytes, int64_t consumer, TraceEvent event) {
     if (consumer == d) return Value{task, d, bytes};
-    return Value{tl_.transfer(d, TraceLane::kDownload, bytes, task, std::move(event)), -1, bytes};
+    if (bytes == 0) return Value{task, -1, bytes};
+    return Value{issued(d, tl_.transfer(d, TraceLane::kDownload, bytes, task, std::move(event))), -1, bytes};
   }
 
-  int compute(int64_t d, double ms, std::initializer_list<int> deps, TraceEvent event) {
-    const int id = tl_.add(d, TraceLane::kCompute, ms, std::move(event));
+  int compute(int64_t d, double ms, const std::vector<int>& deps, TraceEvent event) {
+    const int id = issued(d, tl_.add(d, TraceLane::kCompute, ms, std::move(event)));
     for (int dep : deps) tl_.depend(id, dep);
     return id;
   }
@@ -361,80 +415,130 @@ class RoundPipeSim {
     return t;
   }
 
-  std::vector<Value> add_job(const JobSpec& job, int64_t next, const std::vector<Value>& in,
-                             const std::vector<char>& saves, Iteration& iter) {
+  int64_t param_bytes(LayerRange r) const {
+    int64_t bytes = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) bytes += c_.param_bytes[l];
+    return bytes;
+  }
+
+  // Executes job j's lane program on the virtual clock: one task per
+  // transfer and compute segment, host steps for the slots.
+  void add_job(CallState& call, size_t j, Iteration& iter) {
+    const JobSpec& job = call.jobs[j];
     const int64_t d = job.device;
     const LayerRange r = job.layers;
-    const std::string tag =
-        std::string(job_kind_name(job.kind)).substr(0, 3) + " s" + std::to_string(job.stage);
-    std::vector<JobRecord>& fifo = fifo_[d];
-    const size_t k = fifo.size();
-
-    // Parameters: prefetched when the previous job on this device is of the
-    // same call (issued when that one was picked up), else uploaded when
-    // this job is picked up; each pick-up is the end of the compute before.
-    const int pickup = k >= 1 ? fifo[k - 1].last_compute : kNone;
-    const int pickup_prev = k >= 2 ? fifo[k - 2].last_compute : kNone;
-    const int issue = k >= 1 && fifo[k - 1].call == call_ ? pickup_prev : pickup;
-    int64_t param_bytes = 0;
-    for (int64_t l = r.begin; l < r.end; ++l) param_bytes += c_.param_bytes[l];
-    // One step behind: this iteration's parameters wait for the step two before.
-    const int step = steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
-    int params = step;
-    if (param_bytes > 0) {
-      params = tl_.transfer(d, TraceLane::kParamUpload, param_bytes, issue,
-                            Describe(job, "upload", "params " + tag + " " + Str(r), r, -1));
-      tl_.depend(params, step);
-    }
-
-    std::vector<Value> out(in.size());
-    int last = kNone;
-    for (int64_t m = 0; m < static_cast<int64_t>(in.size()); ++m) {
+    const std::string tag = Tag(job);
+    const int64_t next = j + 1 < call.jobs.size() ? call.jobs[j + 1].device : -1;
+    std::vector<int>& task = call.task[j];
+    auto task_of = [&](const OpRef& ref) { return call.task[ref.job][ref.index]; };
+    std::vector<std::vector<int>> inputs(o_.num_microbatch);  // [m]: the input uploads
+    int last_compute = kNone;
+    for (const LaneOp& op : call.programs[j].ops) {
+      const int64_t m = op.microbatch;
       const std::string mb = " mb" + std::to_string(m);
-      const int input = to_device(d, in[m], Describe(job, "handoff", "in " + tag + mb, r, m));
-      if (job.kind == JobKind::kForward) {
-        // Compute is split where a layer's input is saved for the backward pass.
-        int done = input;
-        int64_t begin = r.begin;
-        for (int64_t l = r.begin; l <= r.end; ++l) {
-          if (l > begin && (l == r.end || saves[l])) {
-            const LayerRange seg{begin, l};
-            done = compute(d, sum(c_.fwd_ms, nullptr, seg), {input, params},
-                           Describe(job, "compute", tag + mb + " " + Str(seg), seg, m));
-            begin = l;
+      int t = kNone;
+      switch (op.kind) {
+        case OpKind::kTakeSlot: {
+          Slots& slots = slots_[d];
+          ++slots.in_use;
+          std::vector<int> waits{host_[d]};
+          while (!slots.given_back.empty() &&
+                 slots.in_use + static_cast<int>(slots.given_back.size()) > kStageSlots) {
+            waits.push_back(slots.given_back.front());
+            slots.given_back.pop_front();
           }
-          if (l < r.end && saves[l]) {  // layer 0's input stays on the host
-            iter.saved[l].resize(in.size());
-            iter.saved[l][m] =
-                l == 0
-                    ? in[m]
-                    : hand_off(d, done, act(l - 1), -1,
-                               Describe(job, "handoff", "save L" + std::to_string(l) + mb, r, m));
+          t = host_[d] = tl_.host_step(d, waits);
+          break;
+        }
+        case OpKind::kUploadStage: {
+          const JobSpec& owner = call.jobs[op.job];
+          const int64_t bytes = param_bytes(owner.layers);
+          // One step behind: this iteration's parameters wait for the step two before.
+          const int step = steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
+          if (bytes > 0) {
+            t = issued(d, tl_.transfer(d, TraceLane::kParamUpload, bytes, task_of(op.after.at(0)),
+                                       Describe(owner, "upload", "params " + Tag(owner) + " " + Str(owner.layers),
+                                                owner.layers, -1)));
+            tl_.depend(t, step);
+          } else {  // free parameters are still the optimizer's output
+            t = tl_.host_step(d, {task_of(op.after.at(0)), step});
           }
+          break;
         }
-        last = done;
-        const int64_t bytes = r.end == c_.num_layers() ? o_.output_bytes : act(r.end - 1);
-        out[m] = hand_off(d, last, bytes, next, Describe(job, "handoff", "out " + tag + mb, r, m));
-      } else {
-        int saved = kNone;
-        double ms = sum(c_.fwd_ms, &c_.bwd_ms, r);
-        if (job.kind == JobKind::kBackward) {
-          saved = to_device(d, iter.saved.at(r.begin)[m],
-                            Describe(job, "handoff", "saved input " + tag + mb, r, m));
-          ms = sum(c_.recompute_ms, &c_.bwd_ms, r);
+        case OpKind::kUploadInput: {
+          const Value& in = j == 0 ? call.in[m] : call.out[j - 1][m];
+          inputs[m].push_back(to_device(d, in, Describe(job, "handoff", "in " + tag + mb, r, m)));
+          if (job.kind == JobKind::kBackward) {
+            inputs[m].push_back(to_device(d, iter.saved.at(r.begin)[m],
+                                          Describe(job, "handoff", "saved input " + tag + mb, r, m)));
+          }
+          t = inputs[m].back();
+          break;
         }
-        last = compute(d, ms, {input, saved, params}, Describe(job, "compute", tag + mb, r, m));
-        const int64_t bytes = r.begin == 0 ? 0 : act(r.begin - 1);
-        out[m] = hand_off(d, last, bytes, next, Describe(job, "handoff", "grad " + tag + mb, r, m));
+        case OpKind::kCompute: {
+          std::vector<int> deps = inputs[m];
+          for (const OpRef& ref : op.after) {
+            if (call.programs[ref.job].ops[ref.index].kind == OpKind::kUploadStage) deps.push_back(task_of(ref));
+          }
+          if (job.kind == JobKind::kForward) {
+            // Compute is split where a layer's input is saved for the backward pass.
+            int64_t begin = r.begin;
+            for (int64_t l = r.begin; l <= r.end; ++l) {
+              if (l > begin && (l == r.end || call.saves[l])) {
+                const LayerRange seg{begin, l};
+                t = compute(d, sum(c_.fwd_ms, nullptr, seg), deps,
+                            Describe(job, "compute", tag + mb + " " + Str(seg), seg, m));
+                deps = {t};
+                begin = l;
+              }
+              if (l < r.end && call.saves[l]) {  // layer 0's input stays on the host
+                iter.saved[l].resize(o_.num_microbatch);
+                iter.saved[l][m] =
+                    l == 0 ? (j == 0 ? call.in[m] : call.out[j - 1][m])
+                           : hand_off(d, t, act(l - 1), -1,
+                                      Describe(job, "handoff", "save L" + std::to_string(l) + mb, r, m));
+              }
+            }
+          } else {
+            const double ms = job.kind == JobKind::kBackward ? sum(c_.recompute_ms, &c_.bwd_ms, r)
+                                                             : sum(c_.fwd_ms, &c_.bwd_ms, r);
+            t = compute(d, ms, deps, Describe(job, "compute", tag + mb, r, m));
+          }
+          last_compute = t;
+          break;
+        }
+        case OpKind::kHandOff: {
+          int64_t bytes;
+          if (job.kind == JobKind::kForward) {
+            bytes = r.end == c_.num_layers() ? o_.output_bytes : act(r.end - 1);
+          } else {  // input gradients; what goes back to the caller costs nothing
+            bytes = r.begin == 0 ? 0 : act(r.begin - 1);
+          }
+          const char* what = job.kind == JobKind::kForward ? "out " : "grad ";
+          call.out[j][m] = hand_off(d, task_of(op.after.at(0)), bytes, next,
+                                    Describe(job, "handoff", what + tag + mb, r, m));
+          t = call.out[j][m].task;
+          break;
+        }
+        case OpKind::kDownloadGrads:
+          t = issued(d, tl_.transfer(d, TraceLane::kDownload, param_bytes(r), last_compute,
+                                     Describe(job, "download", "grads " + tag, r, -1)));
+          iter.grads.push_back(t);
+          break;
+        case OpKind::kDownloadBuffers:  // buffers are not modeled
+          t = last_compute;
+          break;
+        case OpKind::kGiveBackSlot: {
+          std::vector<int> ends = tl_.lane_ends(d);
+          ends.push_back(host_[d]);
+          t = tl_.host_step(d, ends);
+          --slots_[d].in_use;
+          slots_[d].given_back.push_back(t);
+          break;
+        }
       }
+      task.push_back(t);
     }
-    if (job.kind != JobKind::kForward) {
-      const int grads = tl_.transfer(d, TraceLane::kDownload, param_bytes, last,
-                                     Describe(job, "download", "grads " + tag, r, -1));
-      iter.grads.push_back(grads);
-    }
-    fifo.push_back(JobRecord{call_, last});
-    return out;
   }
 
   const LayerCosts& c_;
@@ -442,8 +546,9 @@ class RoundPipeSim {
   const SimOptions& o_;
   Timeline tl_;
   RoundRobin rr_;
-  std::vector<std::vector<JobRecord>> fifo_;  // [device]: its jobs so far, in order
-  std::vector<int> steps_;                    // [iteration]: optimizer steps
+  std::vector<int> host_;     // [device]: its worker's last slot wait
+  std::vector<Slots> slots_;  // [device]
+  std::vector<int> steps_;    // [iteration]: optimizer steps
   int64_t call_ = 0;
 };
 

@@ -12,17 +12,26 @@
 // several transfers wait for a free link the one that became ready first
 // goes first (then the one issued first). Transfers overlap compute.
 //
-// How RoundPipe is modeled (what the engine does; see src/engine/call.cpp):
+// How RoundPipe is modeled: the simulator executes the engine's own lane
+// programs (lane_program.h), so prefetch order, waits and slots are the
+// engine's.
 //  - Each iteration is one call per pass: kFused: forward_backward(); kTrain:
 //    forward() then backward(); kInfer: forward(). Its jobs come from
 //    make_jobs() and get devices from one RoundRobin over the D devices,
-//    shared by all iterations. The host submits every iteration at once
-//    (asynchronous steps: iterations overlap), so each device's FIFO holds its
-//    jobs of all iterations in submission order.
-//  - A job runs microbatches 0..M-1 in order on its device's compute lane.
-//    Per microbatch, a forward job costs the sum of its layers' fwd_ms, the
-//    fused job fwd_ms + bwd_ms, a backward job recompute_ms + bwd_ms.
-//  - Job j's input for microbatch m is job j-1's output for m. On the same
+//    shared by all iterations; make_lane_programs() gives each job its
+//    program. The host submits every iteration at once (asynchronous steps:
+//    iterations overlap), so each device's FIFO holds its jobs of all
+//    iterations in submission order.
+//  - A device's worker issues its programs' operations in order and waits
+//    only for a stage slot (kTakeSlot): everything it issues after a slot
+//    wait starts after it. A slot is free once the fences of the job that
+//    gave it back completed, i.e. the last task on each of its device's
+//    lanes at that job's end. (Waiting for an input to be published, which
+//    the engine's worker also does, is covered by the data dependency.)
+//  - Compute of microbatch m costs, for a forward job, the sum of its
+//    layers' fwd_ms, for the fused job fwd_ms + bwd_ms, for a backward job
+//    recompute_ms + bwd_ms.
+//  - Job j's input for microbatch m is job j-1's hand-off of m. On the same
 //    device it stays there; otherwise the producer downloads it and the
 //    consumer uploads it (activation upload lane), activation_bytes of the
 //    layer before the boundary each way (gradients have the activation's
@@ -34,21 +43,15 @@
 //    (compute is split there, so the trace shows one compute bar per
 //    segment); the backward stage uploads it again before recomputing.
 //    Layer 0's input stays where the caller gave it.
-//  - A device picks up its next job when the compute of its current job ends
-//    (the stage's memory is then released). A job's parameters (the sum of
-//    its layers' param_bytes) are uploaded when its device picks it up,
-//    unless the previous job on that device belongs to the same call: then
-//    they are prefetched while that job computes, i.e. issued when that job
-//    was picked up. So a device holds at most two stages' parameters.
-//  - Fused and backward jobs download their gradients (param_bytes) after
-//    their last microbatch.
+//  - A stage upload costs the sum of its layers' param_bytes; a gradient
+//    download (fused and backward jobs, after their last compute) as much.
 //  - Optionally the host optimizer steps once per iteration (optimizer_ms,
 //    one step at a time) after every gradient of the iteration is on the
 //    host; it runs one step behind, so the parameter uploads of iteration i
 //    wait for the step of iteration i - 2. Not modeled by default.
 // Not modeled: host CPU time outside the optimizer, kernel launch and memory
-// allocation cost, buffers, labels, and memory limits other than the two
-// stages per device above.
+// allocation cost, buffers, labels, and memory limits other than the
+// stage slots above.
 //
 // Units: milliseconds, bytes, link bandwidth in GB/s with 1 GB = 1e9 bytes.
 // Trace events carry microseconds (trace.h).

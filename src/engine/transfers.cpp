@@ -1,0 +1,132 @@
+#include "engine/transfers.h"
+
+#include <unordered_map>
+
+#include "engine/host_store.h"
+#include "engine/value_tree.h"
+
+namespace roundpipe {
+
+namespace {
+
+std::vector<at::Tensor> detached(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.defined() ? t.detach() : t);
+  return out;
+}
+
+// Completes once the parameters of the given layers hold write
+// `generation`: an upload issued after it waits on its lane, not on the
+// worker, so the worker goes on queueing compute.
+class ParamGateFence final : public Fence {
+ public:
+  ParamGateFence(const ParamGate* gate, std::vector<int64_t> layers, int64_t generation)
+      : gate_(gate), layers_(std::move(layers)), generation_(generation) {}
+  void synchronize() const override {
+    for (int64_t l : layers_) gate_->wait(l, generation_);
+  }
+  bool query() const override {
+    for (int64_t l : layers_) {
+      if (!gate_->written(l, generation_)) return false;
+    }
+    return true;
+  }
+
+ private:
+  const ParamGate* gate_;  // outlives the call, which waits for its copies
+  std::vector<int64_t> layers_;
+  int64_t generation_;
+};
+
+}  // namespace
+
+OnDevice to_device(Device& dev, const Slot& slot) {
+  if (slot.device == dev.index()) return OnDevice{slot.value, slot.fence};
+  std::vector<at::Tensor> host = flatten_tensors(slot.value);
+  if (host.empty()) return OnDevice{slot.value, nullptr};
+  std::vector<at::Tensor> moved = dev.upload(detached(host), Lane::kActUpload, slot.fence);
+  return OnDevice{replace_tensors(slot.value, moved), dev.lane_fence(Lane::kActUpload)};
+}
+
+Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer) {
+  Slot out;
+  if (consumer == dev.index()) {
+    out.value = value;
+    out.device = dev.index();
+    out.fence = dev.lane_fence(Lane::kCompute);
+    return out;
+  }
+  std::vector<at::Tensor> tensors = flatten_tensors(value);
+  if (tensors.empty()) {
+    out.value = value;
+    return out;
+  }
+  out.value = replace_tensors(value, dev.download(detached(tensors)));
+  out.fence = dev.lane_fence(Lane::kDownload);
+  return out;
+}
+
+StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range, bool timed) {
+  const HostStore& store = *model.store;
+  const std::vector<std::shared_ptr<Layer>>& layers = *model.layers;
+  std::vector<at::Tensor> host;  // what to upload
+  std::vector<int64_t> gated;    // layers whose parameters it reads
+  std::unordered_map<int64_t, std::pair<size_t, bool>> source;  // param id -> (index in host, arena?)
+  for (int64_t l = range.begin; l < range.end; ++l) {
+    const HostLayer& hl = store.layer(l);
+    gated.push_back(l);
+    if (hl.arena.numel() == 0) continue;
+    for (int64_t id : hl.owned) source[id] = {host.size(), true};
+    host.push_back(hl.arena);
+  }
+  for (int64_t l = range.begin; l < range.end; ++l) {
+    for (int64_t id : store.layer(l).param_ids) {
+      if (source.count(id)) continue;
+      // Tied to a layer outside this stage: its master tensor alone.
+      gated.push_back(store.params()[id].owner);
+      source[id] = {host.size(), false};
+      host.push_back(store.params()[id].master.detach());
+    }
+  }
+  const size_t first_buffer = host.size();
+  for (int64_t l = range.begin; l < range.end; ++l) {
+    for (const auto& [name, b] : layers[l]->named_buffers()) host.push_back(b);
+  }
+  StageTensors st;
+  if (timed) st.start = dev.mark(Lane::kParamUpload);
+  std::vector<at::Tensor> moved;
+  if (!host.empty()) {
+    for (const at::Tensor& t : host) {
+      if (t.defined()) st.bytes += static_cast<int64_t>(t.nbytes());
+    }
+    auto gate = std::make_shared<ParamGateFence>(model.gate, std::move(gated), model.generation);
+    moved = dev.upload(host, Lane::kParamUpload, gate);
+    if (timed) st.end = dev.mark(Lane::kParamUpload);
+    st.uploaded = dev.lane_fence(Lane::kParamUpload);
+  }
+  if (timed && !st.end) st.end = dev.mark(Lane::kParamUpload);
+  size_t next_buffer = first_buffer;
+  for (int64_t l = range.begin; l < range.end; ++l) {
+    std::vector<at::Tensor> params;
+    for (int64_t id : store.layer(l).param_ids) {
+      const auto& [index, in_arena] = source.at(id);
+      params.push_back(in_arena ? store.view_in(moved[index], id) : moved[index]);
+    }
+    std::vector<at::Tensor> buffers;
+    for (size_t b = 0; b < layers[l]->named_buffers().size(); ++b) buffers.push_back(moved[next_buffer++]);
+    st.params.push_back(std::move(params));
+    st.buffers.push_back(std::move(buffers));
+  }
+  return st;
+}
+
+int64_t bytes_of(const c10::IValue& value) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : flatten_tensors(value)) {
+    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+  }
+  return bytes;
+}
+
+}  // namespace roundpipe
