@@ -15,7 +15,7 @@ class CopyLane::LaneFence final : public Fence {
   }
   void synchronize() const override {
     std::unique_lock<std::mutex> lock(state_->mu);
-    state_->cv.wait(lock, [&] { return state_->completed >= upto_; });
+    state_->done.wait(lock, [&] { return state_->completed >= upto_; });
     if (state_->error) {
       std::exception_ptr error = state_->error;
       lock.unlock();
@@ -40,13 +40,16 @@ class CopyLane::LaneMark final : public TimeMark {
  public:
   explicit LaneMark(std::shared_ptr<State> state) : TimeMark(0.0), state_(std::move(state)) {}
   void reach() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    reach_locked();
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      reach_locked();
+    }
+    state_->done.notify_all();
   }
   void reach_locked() { at_ms_ = host_now_ms(); }
   double host_ms() const override {
     std::unique_lock<std::mutex> lock(state_->mu);
-    state_->cv.wait(lock, [&] { return at_ms_ >= 0.0; });
+    state_->done.wait(lock, [&] { return at_ms_ >= 0.0; });
     return at_ms_;
   }
   double ms_since(const TimeMark& earlier) const override { return host_ms() - earlier.host_ms(); }
@@ -67,7 +70,7 @@ CopyLane::~CopyLane() {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->stopping = true;
   }
-  state_->cv.notify_all();
+  state_->work.notify_all();
   thread_.join();
 }
 
@@ -77,7 +80,7 @@ void CopyLane::enqueue(std::chrono::steady_clock::time_point due, std::function<
     state_->queue.push_back(Item{due, std::move(run)});
     ++state_->issued;
   }
-  state_->cv.notify_all();
+  state_->work.notify_all();
 }
 
 bool CopyLane::run_now_if_idle(const FencePtr& after, const std::function<void()>& copy) {
@@ -99,13 +102,16 @@ bool CopyLane::run_now_if_idle(const FencePtr& after, const std::function<void()
 }
 
 void CopyLane::finish(std::exception_ptr error) {
+  bool queued;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     if (error && !state_->error) state_->error = error;
     state_->running = false;
     ++state_->completed;
+    queued = !state_->queue.empty();
   }
-  state_->cv.notify_all();
+  state_->done.notify_all();
+  if (queued) state_->work.notify_all();  // issued while an inline copy ran
 }
 
 void CopyLane::issue(std::function<void()> copy) {
@@ -147,7 +153,7 @@ void CopyLane::loop() {
     Item item;
     {
       std::unique_lock<std::mutex> lock(s.mu);
-      s.cv.wait(lock, [&] { return (s.stopping || !s.queue.empty()) && !s.running; });
+      s.work.wait(lock, [&] { return (s.stopping || !s.queue.empty()) && !s.running; });
       if (s.queue.empty()) return;  // stopping, and everything issued has run
       item = std::move(s.queue.front());
       s.queue.pop_front();

@@ -60,7 +60,11 @@ class CopyLane {
   };
   struct State {
     std::mutex mu;
-    std::condition_variable cv;
+    // Two conditions, so that a copy run inline does not wake the idle lane
+    // thread: `work` for the lane's thread (an item queued, the lane free
+    // again with items queued, stopping), `done` for fences and marks.
+    std::condition_variable work;
+    std::condition_variable done;
     std::deque<Item> queue;
     int64_t issued = 0;
     int64_t completed = 0;
