@@ -334,17 +334,22 @@ std::map<int64_t, std::vector<std::tuple<int64_t, std::string, int64_t, int64_t>
   return out;
 }
 
-TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsPerDevice) {
+TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsAndStageUploadsPerDevice) {
   const std::string path = temp_path("order");
   const int64_t iterations = 3;
   TracedRun run = traced_run(path, iterations);
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> real;
   int64_t first_device = -1;
   double first_ts = 1e300;
+  std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> real_uploads;
   for (const auto& e : run.events) {
-    if (e.at("cat") != "compute") continue;
     const auto& a = e.at("args");
     const int64_t device = e.at("pid").get<int64_t>() - 1;
+    if (e.at("cat") == "upload") {
+      real_uploads.emplace_back(device, a.at("call").get<int64_t>(), a.at("job").get<std::string>(),
+                                a.at("stage").get<int64_t>(), -1, e.at("ts").get<double>());
+    }
+    if (e.at("cat") != "compute") continue;
     real.emplace_back(device, a.at("call").get<int64_t>(), a.at("job").get<std::string>(),
                       a.at("stage").get<int64_t>(), a.at("microbatch").get<int64_t>(), e.at("ts").get<double>());
     if (e.at("ts").get<double>() < first_ts) {
@@ -364,11 +369,14 @@ TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsPerDevice) {
   options.set_num_devices(2).set_num_microbatch(3).set_run_kind(RunKind::kFused);
   SimResult sim = simulate_roundpipe(timed.layer_costs(), fused_plan(), options);
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> predicted;
+  std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> predicted_uploads;
   for (const TraceEvent& e : sim.events) {
-    if (e.kind != "compute" || e.call >= iterations) continue;
+    if (e.call >= iterations) continue;
     // The engine's round-robin continues from earlier calls of the process:
     // align the simulator's first device with the run's.
     const int64_t device = (e.device + first_device) % 2;
+    if (e.kind == "upload") predicted_uploads.emplace_back(device, e.call, e.job, e.stage, -1, e.start_us);
+    if (e.kind != "compute") continue;
     predicted.emplace_back(device, e.call, e.job, e.stage, e.microbatch, e.start_us);
   }
   const auto want = compute_order(real), got = compute_order(predicted);
@@ -377,6 +385,13 @@ TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsPerDevice) {
   for (const auto& [device, seq] : want) total += seq.size();
   EXPECT_EQ(total, static_cast<size_t>(iterations * 5 * 3));  // calls x jobs x microbatches
   EXPECT_EQ(got, want);
+  // Both run the same lane programs: every stage is uploaded once, on the
+  // device of its job, in the same order on each device's parameter lane.
+  const auto want_uploads = compute_order(real_uploads), got_uploads = compute_order(predicted_uploads);
+  size_t uploads = 0;
+  for (const auto& [device, seq] : want_uploads) uploads += seq.size();
+  EXPECT_EQ(uploads, static_cast<size_t>(iterations * 5));
+  EXPECT_EQ(got_uploads, want_uploads);
   std::remove(path.c_str());
 }
 
