@@ -40,6 +40,24 @@ struct CheckpointAccess;
 using LossFn = std::function<c10::IValue(const c10::IValue& outputs, const c10::IValue& label)>;
 
 // Model-level options, fixed at construction.
+// How the host copy of the parameters is kept (where devices upload from).
+enum class PinMode {
+  // Packed into one exact-size arena per layer (the model's parameters then
+  // view it), page-locked when the devices are CUDA devices. The default.
+  kAlloc,
+  // Left where they are and page-locked in place when the devices are CUDA
+  // devices (cudaHostRegister); nothing is copied.
+  kRegister,
+  // Left where they are, not page-locked: weights memory-mapped from a file
+  // stay mapped (no host copy), for models larger than RAM.
+  kOff,
+};
+
+// "alloc", "register", "off" (what SPEC's pin_model takes).
+const char* pin_mode_name(PinMode mode);
+// The mode named `name`; c10::ValueError listing the names otherwise.
+PinMode pin_mode_from_name(const std::string& name);
+
 struct RoundPipeOptions {
   // Shown in errors, logs and traces. Default: "roundpipe".
   std::string name = "roundpipe";
@@ -62,6 +80,8 @@ struct RoundPipeOptions {
   std::shared_ptr<ProcessGroup> process_group;
   // How step() combines the processes' gradients (with a process_group).
   GradientReduction gradient_reduction = GradientReduction::kSum;
+  // Where the host parameters live and whether they are page-locked.
+  PinMode pin_model = PinMode::kAlloc;
 
   RoundPipeOptions& set_name(std::string v) { name = std::move(v); return *this; }
   RoundPipeOptions& set_run_config(RunConfig v) { run_config = std::move(v); return *this; }
@@ -70,14 +90,15 @@ struct RoundPipeOptions {
   RoundPipeOptions& set_optim_dtype(at::ScalarType v) { optim_dtype = v; return *this; }
   RoundPipeOptions& set_process_group(std::shared_ptr<ProcessGroup> v) { process_group = std::move(v); return *this; }
   RoundPipeOptions& set_gradient_reduction(GradientReduction v) { gradient_reduction = v; return *this; }
+  RoundPipeOptions& set_pin_model(PinMode v) { pin_model = v; return *this; }
 };
 
 class RoundPipe {
  public:
   // Wraps `model`: each child is a layer. Parameters and buffers must be on
-  // the CPU and all layers cloneable (see layer.h). Parameters are moved into
-  // one contiguous host arena per layer; the model's tensors keep their
-  // identity and now view that arena.
+  // the CPU and all layers cloneable (see layer.h). With PinMode::kAlloc
+  // (the default) parameters are moved into one contiguous host arena per
+  // layer; the model's tensors keep their identity and now view that arena.
   explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
   // Errors in the options or the layers (c10::ValueError / c10::TypeError)
   // name the model and the constructor.

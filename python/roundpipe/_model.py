@@ -61,8 +61,11 @@ class RoundPipe:
       dtype), e.g. fp16/bf16 model with fp32 optimizer copies.
     - ``name``: shown in errors, logs and traces (default ``"<file>:<line>"``).
     - ``model_run_config``: defaults for every call (RoundPipeRunConfig).
-    - ``pin_model``: ``"alloc"`` (page-locked arenas), ``"register"``,
-      ``"off"``; pinning applies only when the devices are GPUs.
+    - ``pin_model``: ``"alloc"`` (default: the parameters are copied into one
+      exact-size arena per layer, page-locked with GPU devices),
+      ``"register"`` (left in place, page-locked in place with GPU devices)
+      or ``"off"`` (left in place, never page-locked: memory-mapped weights
+      stay mapped, no host copy is made).
     - ``process_group``: data parallelism with the other processes of this
       ``roundpipe.distributed.ProcessGroup`` (rank 0's parameters, buffers and
       seed are copied here; ``step`` combines the processes' gradients);
@@ -74,7 +77,7 @@ class RoundPipe:
 
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
-                      "_gradient_reduction"))
+                      "_gradient_reduction", "_pin_model"))
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
                  process_group=None, gradient_reduction="sum"):
@@ -109,6 +112,7 @@ class RoundPipe:
         own["_run_config"] = model_run_config
         own["_process_group"] = process_group
         own["_gradient_reduction"] = gradient_reduction
+        own["_pin_model"] = pin_model
         if isinstance(model, nn.Sequential):
             if len(model) == 0:
                 raise ValueError("RoundPipe: the Sequential has no layers")
@@ -124,7 +128,7 @@ class RoundPipe:
     def _build_engine(self):
         own = self.__dict__
         own["_engine"] = _C.Engine(self._layers, self.name, self._optim_dtype, self._run_config,
-                                   self._process_group, self._gradient_reduction)
+                                   self._process_group, self._gradient_reduction, self._pin_model)
         _live_engines.add(self._engine)
         # Optimizer copy of each master parameter (for named access and ties).
         by_master = {}

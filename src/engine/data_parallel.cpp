@@ -22,11 +22,20 @@ void broadcast_model_state(ProcessGroup& group, HostStore& store, const std::vec
   seed_tensor.fill_(static_cast<int64_t>(seed));
   group.broadcast(seed_tensor, 0, "broadcast of the seed");
   seed = static_cast<uint64_t>(seed_tensor.item<int64_t>());
-  // Arenas hold every parameter of a layer: one collective each.
+  // Arenas hold every parameter of a layer: one collective each; parameters
+  // left in place (PinMode) go one by one.
   for (int64_t l = 0; l < store.num_layers(); ++l) {
     const at::Tensor& arena = store.layer(l).arena;
-    if (arena.defined() && arena.numel() > 0) {
-      group.broadcast(arena, 0, "broadcast of layer " + std::to_string(l) + "'s parameters");
+    if (arena.defined()) {
+      if (arena.numel() > 0) group.broadcast(arena, 0, "broadcast of layer " + std::to_string(l) + "'s parameters");
+      continue;
+    }
+    for (int64_t id : store.layer(l).owned) {
+      const HostParam& p = store.params()[id];
+      at::Tensor m = p.master.detach();
+      at::Tensor staged = m.is_contiguous() ? m : m.contiguous();
+      group.broadcast(staged, 0, "broadcast of parameter '" + p.name + "'");
+      if (!staged.is_same(m)) m.copy_(staged);
     }
   }
   for (size_t l = 0; l < layers.size(); ++l) {

@@ -16,7 +16,23 @@ int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pinned) {
+const char* pin_mode_name(PinMode mode) {
+  switch (mode) {
+    case PinMode::kAlloc: return "alloc";
+    case PinMode::kRegister: return "register";
+    case PinMode::kOff: return "off";
+  }
+  return "?";
+}
+
+PinMode pin_mode_from_name(const std::string& name) {
+  for (PinMode mode : {PinMode::kAlloc, PinMode::kRegister, PinMode::kOff}) {
+    if (name == pin_mode_name(mode)) return mode;
+  }
+  TORCH_CHECK_VALUE(false, "pin_model must be 'alloc', 'register' or 'off', got '", name, "'");
+}
+
+HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode mode, bool page_lock) {
   std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
   layers_.resize(layers.size());
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -37,11 +53,12 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pin
       hl.param_ids.push_back(it->second);
       hl.param_bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
     }
+    if (mode != PinMode::kAlloc) continue;
     // Exact size (rounded to the alignment only): no power-of-two blow-up,
     // which torch's pinned allocator would add to page-locked arenas.
-    hl.arena = pinned && cuda::built_with_cuda()
+    hl.arena = page_lock && cuda::built_with_cuda()
                    ? cuda::page_locked_bytes(arena_bytes)
-                   : at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+                   : at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(page_lock));
     for (int64_t id : hl.owned) {
       HostParam& p = params_[id];
       at::Tensor view = view_in(hl.arena, id);
@@ -50,6 +67,28 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pin
       p.master.set_data(view);
     }
   }
+  if (mode == PinMode::kRegister && page_lock && cuda::built_with_cuda()) {
+    // Each storage once (tensors loaded from one file may share a mapping);
+    // memory the caller already page-locked stays as it is.
+    std::unordered_map<const void*, bool> seen;
+    try {
+      for (const HostParam& p : params_) {
+        const c10::Storage& storage = p.master.storage();
+        void* data = storage.mutable_data();
+        if (data == nullptr || storage.nbytes() == 0 || !seen.emplace(data, true).second) continue;
+        if (cuda::is_page_locked(data)) continue;
+        cuda::register_page_locked(data, static_cast<int64_t>(storage.nbytes()));
+        registered_.push_back(data);
+      }
+    } catch (...) {
+      for (void* data : registered_) cuda::unregister_page_locked(data);
+      throw;
+    }
+  }
+}
+
+HostStore::~HostStore() {
+  for (void* data : registered_) cuda::unregister_page_locked(data);
 }
 
 at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {

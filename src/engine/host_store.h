@@ -1,5 +1,6 @@
-// The host-resident model state: master parameters packed into one contiguous
-// arena per layer, fp32 gradient accumulators, and buffers.
+// The host-resident model state: master parameters (packed into one
+// contiguous arena per layer, or left in place: PinMode), fp32 gradient
+// accumulators, and buffers.
 //
 // Thread-compatible: owned by the user thread of the model; device workers
 // only read arenas and buffers while a call runs (the user thread does not
@@ -13,14 +14,15 @@
 #include <vector>
 
 #include "engine/layer.h"
+#include "roundpipe/model.h"
 
 namespace roundpipe {
 
 // One unique parameter of the model (tied parameters appear once).
 struct HostParam {
   std::string name;   // "<layer>.<name in layer>" where first found, e.g. "3.weight"
-  at::Tensor master;  // the model's own parameter; its data views the owner's arena
-  int64_t owner = 0;  // layer whose arena holds it
+  at::Tensor master;  // the model's own parameter; its data views the owner's arena (if it has one)
+  int64_t owner = 0;  // the first layer using it
   int64_t offset = 0; // byte offset in the owner's arena
   at::Tensor grad;    // fp32 accumulator [same shape], undefined until a gradient arrives
   at::Tensor optim;   // optimizer copy [same shape] in optim dtype (trainable parameters only)
@@ -29,15 +31,19 @@ struct HostParam {
 
 struct HostLayer {
   std::vector<int64_t> param_ids;  // per layer parameter (named_parameters order) -> HostParam
-  at::Tensor arena;                // uint8 [arena bytes]: the parameters this layer owns
-  std::vector<int64_t> owned;      // HostParam ids stored in `arena`
+  at::Tensor arena;                // uint8 [arena bytes]: the parameters this layer owns (kAlloc only)
+  std::vector<int64_t> owned;      // HostParam ids first used by this layer (stored in `arena`)
   int64_t param_bytes = 0;         // bytes of all this layer's parameters (tied ones included)
 };
 
 class HostStore {
  public:
-  // Packs the layers' parameters; `pinned` page-locks the arenas.
-  HostStore(const std::vector<std::shared_ptr<Layer>>& layers, bool pinned);
+  // Keeps the layers' parameters as `mode` says; `page_lock` (the devices
+  // are CUDA devices) page-locks them (kAlloc, kRegister).
+  HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode mode, bool page_lock);
+  ~HostStore();
+  HostStore(const HostStore&) = delete;
+  HostStore& operator=(const HostStore&) = delete;
 
   std::vector<HostParam>& params() { return params_; }
   const std::vector<HostParam>& params() const { return params_; }
@@ -52,6 +58,7 @@ class HostStore {
  private:
   std::vector<HostParam> params_;
   std::vector<HostLayer> layers_;
+  std::vector<void*> registered_;  // host memory page-locked in place (kRegister)
 };
 
 }  // namespace roundpipe

@@ -61,8 +61,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       std::lock_guard<std::mutex> lock(cpu_generator_lock());  // devices may be mid keyed run
       seed = static_cast<uint64_t>(at::empty({}, at::kLong).random_().item<int64_t>());
     }
-    const bool pinned = !pool.device(0).torch_device().is_cpu();
-    store = std::make_unique<HostStore>(layers, pinned);
+    const bool page_lock = !pool.device(0).torch_device().is_cpu();
+    store = std::make_unique<HostStore>(layers, options.pin_model, page_lock);
     if (options.process_group) {
       group = options.process_group;
       reduction = options.gradient_reduction;

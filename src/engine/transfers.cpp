@@ -76,7 +76,7 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
   for (int64_t l = range.begin; l < range.end; ++l) {
     const HostLayer& hl = store.layer(l);
     gated.push_back(l);
-    if (hl.arena.numel() == 0) continue;
+    if (!hl.arena.defined() || hl.arena.numel() == 0) continue;  // parameters left in place go one by one
     for (int64_t id : hl.owned) source[id] = {host.size(), true};
     host.push_back(hl.arena);
   }

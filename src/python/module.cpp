@@ -42,9 +42,11 @@ RunKind run_kind(const std::string& kind) {
 class Engine {
  public:
   Engine(const py::list& modules, const std::string& name, const py::object& optim_dtype,
-         const py::object& run_config, const py::object& process_group, const std::string& gradient_reduction) {
+         const py::object& run_config, const py::object& process_group, const std::string& gradient_reduction,
+         const std::string& pin_model) {
     RoundPipeOptions options;
     options.name = name;
+    options.pin_model = pin_mode_from_name(pin_model);
     if (!process_group.is_none()) options.process_group = process_group.cast<std::shared_ptr<ProcessGroup>>();
     TORCH_CHECK_VALUE(gradient_reduction == "sum" || gradient_reduction == "mean",
                       "RoundPipe: gradient_reduction must be 'sum' or 'mean', got '", gradient_reduction, "'");
@@ -269,7 +271,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&,
-                    const py::object&, const std::string&>())
+                    const py::object&, const std::string&, const std::string&>())
       .def("forward", &Engine::forward)
       .def("forward_backward", &Engine::forward_backward)
       .def("step", &Engine::step)

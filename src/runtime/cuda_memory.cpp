@@ -26,6 +26,19 @@ at::Tensor page_locked_bytes(int64_t bytes) {
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
 }
 
+void register_page_locked(void* ptr, int64_t bytes) {
+  const cudaError_t err = cudaHostRegister(ptr, static_cast<size_t>(bytes), cudaHostRegisterPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "pin_model='register': cudaHostRegister of ", bytes, " bytes of parameter memory failed: ",
+                cudaGetErrorString(err), "; use pin_model='alloc' (copy into page-locked arenas) or 'off'");
+  }
+}
+
+void unregister_page_locked(void* ptr) {
+  if (cudaHostUnregister(ptr) != cudaSuccess) (void)cudaGetLastError();
+}
+
 bool is_page_locked(const void* ptr) {
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {

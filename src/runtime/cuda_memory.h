@@ -22,6 +22,12 @@ bool built_with_cuda();
 // (cudaHostAlloc), freed when its storage goes. c10::Error if CUDA refuses.
 at::Tensor page_locked_bytes(int64_t bytes);
 
+// Page-locks `bytes` of existing host memory at `ptr` in place
+// (cudaHostRegister); c10::Error saying so if CUDA refuses.
+// unregister_page_locked undoes it (errors ignored: called from destructors).
+void register_page_locked(void* ptr, int64_t bytes);
+void unregister_page_locked(void* ptr);
+
 // True when `ptr` lies in page-locked host memory known to CUDA.
 bool is_page_locked(const void* ptr);
 

@@ -17,6 +17,8 @@ namespace {
 
 bool built_with_cuda() { return false; }
 at::Tensor page_locked_bytes(int64_t) { unavailable("page_locked_bytes"); }
+void register_page_locked(void*, int64_t) { unavailable("register_page_locked"); }
+void unregister_page_locked(void*) {}
 bool is_page_locked(const void*) { return false; }
 int64_t allocated_bytes(int) { unavailable("allocated_bytes"); }
 int64_t peak_allocated_bytes(int) { unavailable("peak_allocated_bytes"); }

@@ -30,13 +30,14 @@ SCRIPT = textwrap.dedent('''
     import roundpipe
     from roundpipe import RoundPipe, RoundPipeRunConfig
     from models import mse_loss_fn, value_model
-    out, ckpt, optimizer = sys.argv[1:4]
+    out, ckpt, optimizer, pin = sys.argv[1:5]
     torch.set_num_threads(1)
     group = roundpipe.distributed.init_process_group(timeout=60)
     rank, world = group.rank, group.world_size
     torch.manual_seed(rank)  # other weights and seeds than rank 0's: the group copies rank 0's
     net = value_model(dropout=0.3)
-    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch={micro}), process_group=group)
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch={micro}), process_group=group,
+                      pin_model=pin)
     if optimizer == "torch":
         opt = torch.optim.SGD(model.optim_parameters(), lr=0.05, momentum=0.9)
     else:
@@ -58,7 +59,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run_group(tmp_path, world, optimizer):
+def _run_group(tmp_path, world, optimizer, pin="alloc"):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), rows=ROWS,
                                     micro=MICROBATCHES, steps=STEPS))
@@ -67,7 +68,7 @@ def _run_group(tmp_path, world, optimizer):
     for rank in range(world):
         env = dict(os.environ, ROUNDPIPE_DEVICES="cpu:1", RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(script), out, ckpt, optimizer], env=env))
+        procs.append(subprocess.Popen([sys.executable, str(script), out, ckpt, optimizer, pin], env=env))
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -99,9 +100,10 @@ def _reference(world, optimizer, steps=STEPS, model_and_opt=None):
     return torch.stack(losses), {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-@pytest.mark.parametrize("world,optimizer", [(2, "torch"), (3, "roundpipe")])
-def test_processes_equal_one_process_on_the_concatenated_batch(tmp_path, world, optimizer):
-    results, _ = _run_group(tmp_path, world, optimizer)
+# pin_model="off": parameters left in place are broadcast one by one.
+@pytest.mark.parametrize("world,optimizer,pin", [(2, "torch", "alloc"), (3, "roundpipe", "alloc"), (2, "torch", "off")])
+def test_processes_equal_one_process_on_the_concatenated_batch(tmp_path, world, optimizer, pin):
+    results, _ = _run_group(tmp_path, world, optimizer, pin)
     losses, params = _reference(world, optimizer)
     assert_close(sum(r["losses"] for r in results), losses, rtol=1e-6, what="summed losses")
     for r in results:
