@@ -99,6 +99,12 @@ at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {
                        p.master.options().device(arena.device()).requires_grad(false));
 }
 
+at::Tensor HostStore::view_on_device(const at::Tensor& arena, int64_t id) const {
+  const HostParam& p = params_.at(id);
+  const int64_t bytes = p.master.numel() * static_cast<int64_t>(p.master.element_size());
+  return arena.narrow(0, p.offset, bytes).view(p.master.scalar_type()).view(p.master.sizes());
+}
+
 std::vector<int64_t> HostStore::layer_param_bytes() const {
   std::vector<int64_t> out;
   for (const auto& l : layers_) out.push_back(l.param_bytes);

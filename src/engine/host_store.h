@@ -51,9 +51,14 @@ class HostStore {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   std::vector<int64_t> layer_param_bytes() const;
 
-  // The tensor of parameter `id` viewed inside `arena` (a device copy of its
-  // owner's arena, or the host arena itself).
+  // The tensor of parameter `id` inside its owner's host arena: a storage of
+  // its own (from_blob, keeping the arena alive), so that the model's
+  // parameters do not share memory in the eyes of savers such as safetensors.
   at::Tensor view_in(const at::Tensor& arena, int64_t id) const;
+  // The same inside a device copy of the arena: a view narrowed from it, so
+  // the device allocator sees the arena's storage in use for as long as any
+  // parameter is.
+  at::Tensor view_on_device(const at::Tensor& arena, int64_t id) const;
 
  private:
   std::vector<HostParam> params_;

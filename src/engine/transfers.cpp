@@ -111,7 +111,7 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
     std::vector<at::Tensor> params;
     for (int64_t id : store.layer(l).param_ids) {
       const auto& [index, in_arena] = source.at(id);
-      params.push_back(in_arena ? store.view_in(moved[index], id) : moved[index]);
+      params.push_back(in_arena ? store.view_on_device(moved[index], id) : moved[index]);
     }
     std::vector<at::Tensor> buffers;
     for (size_t b = 0; b < layers[l]->named_buffers().size(); ++b) buffers.push_back(moved[next_buffer++]);
