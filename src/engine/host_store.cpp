@@ -4,6 +4,7 @@
 #include <ATen/Context.h>
 
 #include <unordered_map>
+#include <unordered_set>
 
 #include "runtime/cuda_memory.h"
 
@@ -70,12 +71,12 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode 
   if (mode == PinMode::kRegister && page_lock && cuda::built_with_cuda()) {
     // Each storage once (tensors loaded from one file may share a mapping);
     // memory the caller already page-locked stays as it is.
-    std::unordered_map<const void*, bool> seen;
+    std::unordered_set<const void*> seen;
     try {
       for (const HostParam& p : params_) {
         const c10::Storage& storage = p.master.storage();
         void* data = storage.mutable_data();
-        if (data == nullptr || storage.nbytes() == 0 || !seen.emplace(data, true).second) continue;
+        if (data == nullptr || storage.nbytes() == 0 || !seen.insert(data).second) continue;
         if (cuda::is_page_locked(data)) continue;
         cuda::register_page_locked(data, static_cast<int64_t>(storage.nbytes()));
         registered_.push_back(data);
