@@ -51,8 +51,8 @@ def _caller_name(depth=2):
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-class RoundPipe:
-    """Wraps ``model`` (an ``nn.Sequential``: each child is a layer; any other
+class RoundPipe(nn.Module):
+    """A ``torch.nn.Module`` that wraps ``model`` (an ``nn.Sequential``: each child is a layer; any other
     ``nn.Module``: one layer). Parameters and buffers must be on the CPU: they
     stay the master copy, moved into one contiguous host arena per layer (the
     module's tensors keep their identity).
@@ -71,13 +71,16 @@ class RoundPipe:
       seed are copied here; ``step`` combines the processes' gradients);
       ``gradient_reduction``: ``"sum"`` (default) or ``"mean"``.
 
-    Attribute reads, writes and deletes that RoundPipe does not define fall
-    through to the wrapped model (or to the one given to set_original_model).
+    As a module, the wrapped model is its submodule ``model``: parameters,
+    buffers and state dict keys are the wrapped model's under ``model.``, and
+    forward hooks run around the whole pipelined call. Attribute reads, writes
+    and deletes that RoundPipe does not define fall through to the wrapped
+    model (or to the one given to set_original_model).
     """
 
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
-                      "_gradient_reduction", "_pin_model"))
+                      "_gradient_reduction", "_pin_model", "_default_merge"))
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
                  process_group=None, gradient_reduction="sum"):
@@ -104,8 +107,9 @@ class RoundPipe:
             raise TypeError("RoundPipe: model_run_config must be a RoundPipeRunConfig")
         if name is None:
             name = _caller_name()
+        nn.Module.__init__(self)
         own = self.__dict__
-        own["model"] = model
+        self._modules["model"] = model
         own["name"] = str(name)
         own["_original"] = None
         own["_optim_dtype"] = optim_dtype
@@ -131,6 +135,7 @@ class RoundPipe:
                                    self._process_group, self._gradient_reduction, self._pin_model)
         _live_engines.add(self._engine)
         # Optimizer copy of each master parameter (for named access and ties).
+        self.training = all(layer.training for layer in self._layers)
         by_master = {}
         for engine_name, copy in self._engine.optim_named_parameters():
             layer, _, rest = engine_name.partition(".")
@@ -145,8 +150,6 @@ class RoundPipe:
         outputs (on the CPU by default). With grad mode on, the outputs carry
         autograd history: ``loss.backward()`` runs the backward stages."""
         return self._engine.forward(args, kwargs, roundpipe_run_config)
-
-    __call__ = forward
 
     def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=_default_loss_fn,
                          return_outputs=False, run_config=None):
@@ -212,13 +215,12 @@ class RoundPipe:
         if _C.optimizer_ctx_active():
             return self.optim_named_parameters(prefix, remove_duplicate)
         self._engine.wait_published()  # not while an asynchronous step writes them
-        if remove_duplicate:
-            return self.model.named_parameters(prefix=prefix, recurse=recurse)
-        return self._parameter_slots(prefix)
+        return nn.Module.named_parameters(self, prefix=prefix, recurse=recurse,
+                                          remove_duplicate=remove_duplicate)
 
     def _parameter_slots(self, prefix):
         """Every (name, parameter) slot of the model, tied ones in each place."""
-        for mod_name, module in self.model.named_modules(remove_duplicate=False):
+        for mod_name, module in self.named_modules(remove_duplicate=False):
             for name, p in module._parameters.items():
                 if p is not None:
                     full = f"{mod_name}.{name}" if mod_name else name
@@ -233,31 +235,42 @@ class RoundPipe:
     def train(self, mode=True):
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
-        self.model.train(mode)
+        nn.Module.train(self, mode)
         self._engine.train(mode)
         return self
 
-    def eval(self):
-        return self.train(False)
-
-    @property
-    def training(self):
-        return self.model.training
-
     def state_dict(self, *args, **kwargs):
-        """The wrapped model's state dict, as the latest step published it
-        (after an asynchronous step: the parameters from before it; call
-        synchronize() first for the latest optimizer result)."""
+        """The state dict (the wrapped model's under ``model.``) as the latest
+        step published it (after an asynchronous step: the parameters from
+        before it; call synchronize() first for the latest optimizer result)."""
         self._engine.wait_published()
-        return self.model.state_dict(*args, **kwargs)
+        return nn.Module.state_dict(self, *args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict=True):
-        """Loads into the wrapped model and refreshes the optimizer copies, so
-        the next step does not undo the load."""
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Loads into the wrapped model's tensors (in place) and refreshes the
+        optimizer copies, so the next step does not undo the load."""
+        if assign:
+            raise ValueError("RoundPipe.load_state_dict: assign=True would replace the tensors the engine "
+                             "holds; load in place (assign=False)")
         self.synchronize()
-        result = self.model.load_state_dict(state_dict, strict=strict)
+        owner = self._state_dict_owner(state_dict)
+        load = functools.partial(nn.Module.load_state_dict, self) if owner is self else owner.load_state_dict
+        result = load(state_dict, strict=strict)
         self._engine.refresh_optimizer_copies()
         return result
+
+    def _state_dict_owner(self, state_dict):
+        """The module whose keys ``state_dict`` uses: this RoundPipe
+        (``model.``-prefixed), the wrapped model, or the original model given
+        to set_original_model (a Hugging Face model's own keys); the most
+        matching keys win, this RoundPipe on a tie."""
+        candidates = [self, self.model]
+        if self.__dict__.get("_original") is not None:
+            candidates.append(self.__dict__["_original"])
+        keys = set(state_dict.keys()) if hasattr(state_dict, "keys") else set()
+        scores = [len(keys & set(nn.Module.state_dict(m) if m is self else m.state_dict()))
+                  for m in candidates]
+        return candidates[scores.index(max(scores))]
 
     def to(self, *args, **kwargs):
         """``to(dtype)`` converts the model's floating-point tensors and rebuilds
@@ -274,6 +287,29 @@ class RoundPipe:
         self.model.to(dtype)
         self._build_engine()
         return self
+
+    def _apply(self, fn, recurse=True):
+        raise TypeError("RoundPipe keeps the model in host memory and gives the devices copies of each "
+                        "stage: it cannot be moved or converted tensor by tensor. Use .to(dtype) "
+                        "(or .half(), .float(), .bfloat16(), .double()) to change the dtype")
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def cpu(self):
+        return self
+
+    def cuda(self, device=None):
+        return self.to("cuda" if device is None else device)
 
     def set_original_model(self, model):
         """Attribute access falls through to ``model`` instead of the wrapped one."""
@@ -298,23 +334,31 @@ class RoundPipe:
 
     def _target(self):
         own = self.__dict__
-        return own["_original"] if own.get("_original") is not None else own["model"]
+        return own["_original"] if own.get("_original") is not None else own["_modules"]["model"]
+
+    def _is_own(self, name):
+        return name in RoundPipe._OWN or name in self.__dict__ or hasattr(type(self), name)
 
     def __getattr__(self, name):
         own = self.__dict__
-        if "model" not in own:
+        if "model" not in own.get("_modules", ()):
             raise AttributeError(name)
-        return getattr(self._target(), name)
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            return getattr(self._target(), name)
 
     def __setattr__(self, name, value):
-        if name in RoundPipe._OWN or hasattr(type(self), name):
-            object.__setattr__(self, name, value)
+        if name == "model":
+            raise AttributeError("RoundPipe.model cannot be replaced: wrap the new model in a new RoundPipe")
+        if self._is_own(name):
+            nn.Module.__setattr__(self, name, value)
         else:
             setattr(self._target(), name, value)
 
     def __delattr__(self, name):
-        if name in RoundPipe._OWN or hasattr(type(self), name):
-            object.__delattr__(self, name)
+        if self._is_own(name):
+            nn.Module.__delattr__(self, name)
         else:
             delattr(self._target(), name)
 

@@ -37,7 +37,7 @@ def test_tied_parameter_appears_once():
     model, net, _ = make_pair()
     names = [n for n, _ in model.optim_named_parameters()]
     assert len(names) == len(list(net.parameters()))
-    assert "0.shared.weight" in names and "4.shared.weight" not in names
+    assert "model.0.shared.weight" in names and "model.4.shared.weight" not in names
     assert len(list(model.optim_named_parameters(remove_duplicate=False))) == len(names) + 2
 
 

@@ -234,7 +234,7 @@ def test_state_dict_and_parameters_during_an_async_step_are_the_published_values
             continue
         state = {k: v.clone() for k, v in model.state_dict().items()}  # read at once
         for (name, _), want in zip(net.named_parameters(), expected):
-            assert torch.equal(state[name], want), name
+            assert torch.equal(state["model." + name], want), name
         model.forward_backward(input_args=(x,), label=y, loss_fn=torch.nn.functional.mse_loss)
         expected = published["after"]
         model.step(step_fn, is_async=True)
