@@ -31,6 +31,7 @@ from . import _C  # noqa: E402
 from . import data, distributed, microbatch, optim, presets, safetensors, timer, trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
+from .hf import AutoRoundPipe, wrap_model_to_roundpipe
 from .grad_scaler import GradScaler  # noqa: F401
 from .optimizer_ctx import OptimizerCtx
 from .plan import ModelExecutePlan
@@ -54,7 +55,7 @@ def set_sync_warmup_steps(n: int) -> None:
 
 
 __all__ = [
-    "RoundPipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
+    "RoundPipe", "AutoRoundPipe", "wrap_model_to_roundpipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
     "save_for_recompute", "doing_recompute", "get_recompute_data", "get_num_devices",
     "set_sync_warmup_steps", "save_checkpoint", "load_checkpoint",
     "data", "distributed", "microbatch", "optim", "presets", "safetensors", "timer", "trace",

@@ -236,6 +236,8 @@ class RoundPipe(nn.Module):
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         nn.Module.train(self, mode)
+        if self.__dict__.get("_original") is not None:
+            self.__dict__["_original"].train(mode)
         self._engine.train(mode)
         return self
 

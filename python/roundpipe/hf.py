@@ -1,0 +1,401 @@
+"""Hugging Face models as users load them (SPEC 4.8).
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = roundpipe.wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    loss = model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids},
+                                  loss_fn=lambda out, _: out.loss)
+
+A preset turns a ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` or ``GptOssForCausalLM`` into the layers of a pipeline:
+embedding | one layer per decoder block | final norm + LM head. The layers
+hold the loaded model's own modules (no second copy of any weight) and run
+transformers' code for them, so the numerics are transformers'. What the
+presets add:
+
+- The loss is transformers' ``ForCausalLMLoss`` (labels shifted inside,
+  ``-100`` ignored, ``num_items_in_batch`` divides the summed loss), computed
+  over chunks of tokens whose logits are recomputed in the backward pass:
+  the full ``[tokens, vocab]`` logits never exist. Logits are returned when
+  there are no labels, or with ``return_logits=True``.
+- Mixture-of-experts blocks (Qwen3-MoE, GPT-OSS) run router and experts in
+  their block's layer; with ``output_router_logits`` (the keyword or the
+  config's) the auxiliary load-balancing loss is accumulated block by block
+  and added as transformers adds it.
+- Merged outputs of ``forward`` have the whole batch's loss: the token-weighted
+  mean of the microbatch losses (or their sum with ``num_items_in_batch``).
+
+Attribute reads (``config``, ``generation_config``, ``save_pretrained``,
+``loss_function``, ...) fall through to the loaded model; after
+``synchronize()`` its weights are the trained ones.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ._model import RoundPipe, _caller_name
+from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
+
+IGNORE_INDEX = -100
+# Tokens per loss chunk: the chunk's fp32 logits stay near 64 MiB.
+_LOSS_CHUNK_ELEMENTS = 1 << 24
+
+_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
+}
+_MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+
+# The forward keywords of the presets (transformers' names).
+_KEYWORDS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels",
+             "num_items_in_batch", "return_logits", "output_router_logits", "use_cache", "cache",
+             "past_key_values", "logits_to_keep", "return_dict")
+
+
+def _output_classes():
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    @dataclass
+    class CausalLMOutput(CausalLMOutputWithPast):
+        """transformers' output, plus how the loss was reduced (for merging)."""
+        loss_denominator: torch.Tensor | None = None
+        loss_reduction: str | None = None
+
+    @dataclass
+    class MoeCausalLMOutput(MoeCausalLMOutputWithPast):
+        loss_denominator: torch.Tensor | None = None
+        loss_reduction: str | None = None
+
+    return {"dense": (CausalLMOutput, CausalLMOutputWithPast), "moe": (MoeCausalLMOutput, MoeCausalLMOutputWithPast)}
+
+
+_OUTPUTS = None
+
+
+def _outputs(kind):
+    global _OUTPUTS
+    if _OUTPUTS is None:
+        _OUTPUTS = _output_classes()
+    return _OUTPUTS[kind]
+
+
+# ---------------------------------------------------------------------------
+# The layers of a preset.
+
+class HFEmbedding(nn.Module):
+    """Layer 0: token embedding and rotary position embeddings. Takes the
+    Hugging Face keywords; returns the state the blocks pass along."""
+
+    def __init__(self, hf, family):
+        super().__init__()
+        self.embed_tokens = hf.model.embed_tokens
+        self.rotary_emb = hf.model.rotary_emb
+        self.family = family
+        self.router_logits_default = bool(getattr(hf.config, "output_router_logits", False))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
+                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
+        if extra:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(extra)}; the Hugging Face presets take "
+                            f"{', '.join(_KEYWORDS)}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if use_cache or cache is not None or past_key_values is not None:
+            raise ValueError("the pipeline keeps no key/value cache: call without use_cache / cache "
+                             "(to generate, synchronize() and call the Hugging Face model itself)")
+        if return_dict is False:
+            raise ValueError("return_dict=False is not supported: the presets return transformers' output "
+                             "objects")
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        if output_router_logits is None:
+            output_router_logits = self.router_logits_default
+        router = None
+        if output_router_logits and self.family in _MOE_FAMILIES:
+            # Load-balancing sums over the blocks: tokens per expert, router
+            # probability per expert, rows counted (transformers' formula).
+            router = {"tokens": None, "probs": None, "rows": None}
+        return {
+            "hidden_states": hidden, "attention_mask": attention_mask, "position_ids": position_ids,
+            "cos": cos, "sin": sin, "labels": labels, "shift_labels": shift_labels,
+            "num_items_in_batch": num_items_in_batch,
+            "return_logits": return_logits, "logits_to_keep": logits_to_keep, "router": router,
+        }
+
+
+class HFDecoderBlock(nn.Module):
+    """One decoder block of the loaded model, with its attention mask made
+    here from the 2-D padding mask (as the model's forward makes it)."""
+
+    def __init__(self, hf, family, index):
+        super().__init__()
+        self.block = hf.model.layers[index]
+        self.config = hf.config
+        self.family = family
+        self.index = index
+        config = hf.config
+        if family == "qwen3_moe":
+            self.sliding = getattr(config, "sliding_window", None) is not None
+        else:
+            types = getattr(config, "layer_types", None)
+            self.sliding = bool(types) and types[index] == "sliding_attention"
+        self.mask_takes_positions = family != "gpt_oss"
+        self.router_names = []
+        if family in _MOE_FAMILIES:
+            recorder = type(hf)._can_record_outputs["router_logits"]
+            self.router_index = recorder.index or 0
+            self.router_names = [name for name, m in self.block.named_modules()
+                                 if isinstance(m, recorder.target_class)]
+            self.num_experts = hf.num_experts
+            self.top_k = hf.num_experts_per_tok
+
+    def _mask(self, state):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        kwargs = {"config": self.config, "inputs_embeds": state["hidden_states"],
+                  "attention_mask": state["attention_mask"], "cache": None}
+        if self.mask_takes_positions:
+            kwargs["position_ids"] = state["position_ids"]
+        return make(**kwargs)
+
+    def forward(self, state):
+        router = state["router"]
+        captured = []
+        hooks = []
+        if router is not None:
+            for name in self.router_names:
+                hooks.append(self.block.get_submodule(name).register_forward_hook(
+                    lambda _m, _i, out: captured.append(out[self.router_index])))
+        try:
+            out = self.block(state["hidden_states"], attention_mask=self._mask(state),
+                             position_ids=state["position_ids"], cache=None, use_cache=False,
+                             position_embeddings=(state["cos"], state["sin"]))
+        finally:
+            for h in hooks:
+                h.remove()
+        state = dict(state)
+        state["hidden_states"] = out[0] if isinstance(out, tuple) else out
+        if router is not None:
+            state["router"] = self._accumulate(router, captured, state["attention_mask"])
+        return state
+
+    def _accumulate(self, router, captured, attention_mask):
+        """transformers' load_balancing_loss_func, one block at a time."""
+        router = dict(router)
+        for logits in captured:
+            device = logits.device
+            tokens = router["tokens"] if router["tokens"] is not None else torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device)
+            probs = router["probs"] if router["probs"] is not None else torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device)
+            rows = router["rows"] if router["rows"] is not None else torch.zeros((), dtype=torch.float32,
+                                                                                 device=device)
+            weights = F.softmax(logits, dim=-1)
+            _, selected = torch.topk(weights, self.top_k, dim=-1)
+            if attention_mask is None:
+                histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+                tokens = tokens + torch.histc(selected.reshape(-1).to(histc_dtype), bins=self.num_experts,
+                                              min=0, max=self.num_experts)
+                probs = probs + weights.float().sum(dim=0)
+                rows = rows + weights.shape[0]
+            else:
+                flat = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+                tokens = tokens + torch.zeros(self.num_experts, dtype=torch.float32, device=device).scatter_add_(
+                    0, selected.reshape(-1), flat.repeat_interleave(self.top_k))
+                probs = probs + (weights.float() * flat.unsqueeze(-1)).sum(dim=0)
+                rows = rows + flat.sum()
+            router.update(tokens=tokens, probs=probs, rows=rows)
+        return router
+
+
+def _chunk_loss(hidden, weight, bias, labels):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class HFHead(nn.Module):
+    """Final norm and LM head; the causal-LM loss in chunks of tokens."""
+
+    def __init__(self, hf, family):
+        super().__init__()
+        self.norm = hf.model.norm
+        self.lm_head = hf.lm_head
+        self.vocab_size = hf.config.vocab_size
+        self.kind = "moe" if family in _MOE_FAMILIES else "dense"
+        self.chunk_tokens = max(1, _LOSS_CHUNK_ELEMENTS // self.vocab_size)
+        if self.kind == "moe":
+            self.router_aux_loss_coef = hf.router_aux_loss_coef
+            self.num_experts = hf.num_experts
+
+    def forward(self, state):
+        hidden = self.norm(state["hidden_states"])
+        labels, shift_labels = state["labels"], state["shift_labels"]
+        keep = state["logits_to_keep"]
+        fields = {}
+        has_labels = labels is not None or shift_labels is not None
+        if not has_labels or state["return_logits"]:
+            kept = hidden[:, -keep:, :] if keep else hidden
+            fields["logits"] = self.lm_head(kept)
+        if has_labels:
+            fields.update(self._loss(hidden, labels, shift_labels, state["num_items_in_batch"]))
+        router = state["router"]
+        if router is not None and router["tokens"] is not None:
+            aux = torch.sum((router["tokens"] / router["rows"]) * (router["probs"] / router["rows"]).unsqueeze(0))
+            fields["aux_loss"] = aux * self.num_experts
+            if "loss" in fields:
+                fields["loss"] = fields["loss"] + self.router_aux_loss_coef * fields["aux_loss"]
+        cls, _ = _outputs(self.kind)
+        return cls(**fields)
+
+    def _loss(self, hidden, labels, shift_labels, num_items):
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        targets = shift_labels.reshape(-1).to(hidden.device)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if targets.numel() != flat.shape[0]:
+            raise ValueError(f"labels have {targets.numel()} tokens but the inputs have {flat.shape[0]}")
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, flat.shape[0], self.chunk_tokens):
+            end = start + self.chunk_tokens
+            total = total + checkpoint(_chunk_loss, flat[start:end], weight, bias, targets[start:end],
+                                       use_reentrant=False, preserve_rng_state=False)
+        if num_items is None:
+            denominator = (targets != IGNORE_INDEX).sum().to(torch.float32)
+            reduction = "mean"
+        else:
+            denominator = torch.as_tensor(num_items, device=total.device).to(torch.float32)
+            reduction = "sum"
+        return {"loss": total / denominator, "loss_denominator": denominator.detach(),
+                "loss_reduction": reduction}
+
+
+# ---------------------------------------------------------------------------
+# Merging the microbatches' outputs into the whole batch's.
+
+def merge_hf_outputs(outputs):
+    """One output for the batch: logits concatenated, the loss as the
+    unsplit model computes it (token-weighted mean, or the sum of the parts
+    over ``num_items_in_batch``), the auxiliary loss averaged."""
+    first = outputs[0]
+    kind = "moe" if hasattr(first, "aux_loss") else "dense"
+    _, plain = _outputs(kind)
+    fields = {}
+    if first.get("logits") is not None:
+        fields["logits"] = torch.cat([o["logits"] for o in outputs], dim=0)
+    if first.get("loss") is not None:
+        losses = torch.stack([o["loss"] for o in outputs])
+        if first["loss_reduction"] == "sum":
+            fields["loss"] = losses.sum()
+        else:
+            weights = torch.stack([o["loss_denominator"].to(losses.device) for o in outputs])
+            fields["loss"] = (losses * weights).sum() / weights.sum()
+    if first.get("aux_loss") is not None:
+        fields["aux_loss"] = torch.stack([o["aux_loss"] for o in outputs]).mean()
+    return plain(**fields)
+
+
+# ---------------------------------------------------------------------------
+# Wrapping.
+
+def _family(model):
+    for cls in type(model).__mro__:
+        if cls.__name__ in _FAMILIES:
+            return _FAMILIES[cls.__name__]
+    return None
+
+
+def _refuse_packed_experts(model):
+    for name, module in model.named_modules():
+        packed = [p for p in module._parameters if p.endswith("_blocks") or p.endswith("_scales")]
+        if "mxfp4" in type(module).__name__.lower() or packed:
+            raise ValueError(
+                f"wrap_model_to_roundpipe: {name or 'the model'} ({type(module).__name__}) holds packed MXFP4 "
+                "expert weights, which cannot be trained. Load the model dequantized: "
+                "from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)")
+
+
+def preset_layers(model):
+    """The preset's layers for a loaded Hugging Face causal LM (they hold the
+    model's own modules), or None if there is no preset for its type."""
+    family = _family(model)
+    if family is None:
+        return None
+    for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"wrap_model_to_roundpipe: the {type(model).__name__} has no '{path}'; the preset "
+                             "needs the module layout transformers gives it") from None
+    if family in _MOE_FAMILIES:
+        _refuse_packed_experts(model)
+    n = model.config.num_hidden_layers
+    blocks = [HFDecoderBlock(model, family, i) for i in range(min(n, len(model.model.layers)))]
+    return nn.Sequential(HFEmbedding(model, family), *blocks, HFHead(model, family))
+
+
+def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024, upper_threshold=None,
+                            skip_modules=(), override_config=None, **roundpipe_kwargs):
+    """A RoundPipe for ``model`` as it was loaded.
+
+    - Hugging Face ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+      ``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``: the preset (module doc).
+      ``use_sequential_preset=False`` refuses the preset; ``True`` requires one.
+    - An ``nn.Sequential``: each child is a layer.
+    - Anything else raises NotImplementedError (wrap an ``nn.Sequential`` of
+      its parts in RoundPipe).
+
+    ``lower_threshold``, ``upper_threshold``, ``skip_modules`` and
+    ``override_config`` are the reference's knobs for splitting models
+    without a preset; they are validated and otherwise unused by the presets.
+    ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``, ``name``,
+    ``model_run_config``, ``pin_model``, ``process_group``, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap_model_to_roundpipe: model must be a torch.nn.Module, got {type(model).__name__}")
+    if use_sequential_preset not in (None, True, False):
+        raise TypeError(f"wrap_model_to_roundpipe: use_sequential_preset must be None, True or False, "
+                        f"got {use_sequential_preset!r}")
+    for what, value in (("lower_threshold", lower_threshold), ("upper_threshold", upper_threshold)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"wrap_model_to_roundpipe: {what} must be an int >= 0, got {value!r}")
+    if override_config is not None and not isinstance(override_config, dict):
+        raise TypeError("wrap_model_to_roundpipe: override_config must be a dict {module: RoundPipeRunConfig}")
+    roundpipe_kwargs.setdefault("name", _caller_name())
+    layers = preset_layers(model) if use_sequential_preset is not False else None
+    if layers is not None:
+        config = roundpipe_kwargs.pop("model_run_config", None) or RoundPipeRunConfig()
+        if not isinstance(config, RoundPipeRunConfig):
+            raise TypeError("wrap_model_to_roundpipe: model_run_config must be a RoundPipeRunConfig")
+        if config.merge_output is None:
+            fields = {f: getattr(config, f) for f in _RUN_CONFIG_FIELDS}
+            config = RoundPipeRunConfig(**{**fields, "merge_output": merge_hf_outputs})
+        wrapped = RoundPipe(layers, model_run_config=config, **roundpipe_kwargs)
+        wrapped.set_original_model(model)
+        return wrapped
+    if use_sequential_preset is True:
+        raise NotImplementedError(f"wrap_model_to_roundpipe: no preset for {type(model).__name__}; presets: "
+                                  f"{', '.join(_FAMILIES)}")
+    if isinstance(model, nn.Sequential):
+        return RoundPipe(model, **roundpipe_kwargs)
+    raise NotImplementedError(
+        f"wrap_model_to_roundpipe: no preset for {type(model).__name__} (presets: {', '.join(_FAMILIES)}), "
+        "and models of other structures are not split automatically: put their parts in an nn.Sequential "
+        "(each child one layer) and wrap it with roundpipe.RoundPipe")
+
+
+class AutoRoundPipe(RoundPipe):
+    """``AutoRoundPipe(model, ...)`` is ``wrap_model_to_roundpipe(model, ...)``."""
+
+    def __new__(cls, model, *args, **kwargs):
+        kwargs.setdefault("name", _caller_name())
+        return wrap_model_to_roundpipe(model, *args, **kwargs)
