@@ -307,7 +307,14 @@ def merge_hf_outputs(outputs):
 # ---------------------------------------------------------------------------
 # Wrapping.
 
+def _base_model(model):
+    """The transformers model inside a peft model (adapters injected in place)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and type(model).__name__.startswith("Peft") else model
+
+
 def _family(model):
+    model = _base_model(model)
     for cls in type(model).__mro__:
         if cls.__name__ in _FAMILIES:
             return _FAMILIES[cls.__name__]
@@ -330,6 +337,7 @@ def preset_layers(model):
     family = _family(model)
     if family is None:
         return None
+    model = _base_model(model)
     for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
         try:
             model.get_submodule(path)
