@@ -110,3 +110,148 @@ def test_preset_matches_transformers(reports, family, devices):
                           "parameters after 3 steps"}
     bad = {k: v for k, v in worst.items() if not v <= TOLERANCE}
     assert not bad, f"{family} on {devices} device(s) differs from transformers: {bad}"
+
+
+# ---------------------------------------------------------------------------
+# The workflow around the presets (this process's devices).
+
+def _train(model, steps=2, lr=0.1):
+    from roundpipe import OptimizerCtx
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ids, mask, labels = hf_models.batch()
+    for _ in range(steps):
+        model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels},
+                               loss_fn=lambda out, _: out.loss)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+
+
+def test_wrapped_model_shares_the_loaded_weights_and_falls_through_to_it():
+    hf = hf_models.model("qwen3")
+    params = dict(hf.named_parameters())
+    model = wrap_model_to_roundpipe(hf)
+    assert isinstance(model, roundpipe.RoundPipe) and isinstance(model, torch.nn.Module)
+    assert model.config is hf.config and model.generation_config is hf.generation_config
+    assert model.loss_function is not None and model.save_pretrained.__self__ is hf
+    # The layers hold the loaded modules: no second copy of any weight.
+    assert model.model[0].embed_tokens is hf.model.embed_tokens
+    assert model.model[-1].lm_head is hf.lm_head and model.model[1].block is hf.model.layers[0]
+    ours = {id(p) for p in model.parameters()}
+    assert ours == {id(p) for p in params.values()}
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied, and trained once
+    assert len(list(model.optim_parameters())) == len(params)
+
+
+def test_save_pretrained_writes_the_trained_weights(tmp_path):
+    import transformers
+    hf = hf_models.model("llama")
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    model = wrap_model_to_roundpipe(hf)
+    _train(model)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    changed = 0
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, hf.state_dict()[name]), name
+        changed += not torch.equal(t, before[name])
+    assert changed == len(before)
+
+
+def test_lora_through_peft_trains_only_the_adapters_as_peft_does():
+    import copy
+    import peft
+    base = hf_models.model("llama")
+    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for p, q in zip(lora.parameters(), ref.parameters()):
+            if not p.abs().sum():  # lora_B starts at zero: give the test gradients to see
+                p.normal_(0, 0.05)
+            q.copy_(p)
+    frozen = {n: p.clone() for n, p in lora.named_parameters() if not p.requires_grad}
+    model = wrap_model_to_roundpipe(lora)
+    assert all("lora_" in n for n, _ in model.optim_named_parameters())
+    _train(model, steps=2)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    ids, mask, labels = hf_models.batch()
+    for step in range(2):
+        # The delayed step: the second gradient is taken at the initial weights.
+        for part in zip(*(t.tensor_split(3) for t in (ids, mask, labels))):
+            ref(**dict(zip(("input_ids", "attention_mask", "labels"), part))).loss.backward()
+        if step == 0:
+            grads = [p.grad.clone() for p in ref.parameters() if p.requires_grad]
+            opt.zero_grad()
+            continue
+        with torch.no_grad():
+            for p, g in zip([p for p in ref.parameters() if p.requires_grad], grads):
+                p.sub_(0.1 * g)
+                p.sub_(0.1 * p.grad)
+    for (name, p), (_, q) in zip(lora.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            assert "lora_" in name
+            assert not torch.equal(p, frozen.get(name, torch.empty(0)))
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+        else:
+            assert torch.equal(p, frozen[name]), f"frozen {name} changed"
+
+
+def test_forward_keywords_and_outputs():
+    hf = hf_models.model("llama")
+    model = wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    ids, mask, labels = hf_models.batch()
+    with torch.no_grad():
+        plain = model(input_ids=ids)
+        assert plain.loss is None and plain.logits.shape == (4, 20, hf_models.VOCAB)
+        assert torch.equal(plain.logits, hf(input_ids=ids).logits)
+        with_labels = model(input_ids=ids, labels=labels)
+        assert with_labels.logits is None  # not materialized unless asked
+        positions = torch.arange(20).unsqueeze(0) + 3
+        shifted = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+        want = hf(input_ids=ids, position_ids=positions, attention_mask=mask).logits
+        assert torch.allclose(shifted.logits, want, rtol=1e-5, atol=1e-6)
+        last = model(input_ids=ids, logits_to_keep=1)
+        assert last.logits.shape == (4, 1, hf_models.VOCAB)
+        assert torch.allclose(last.logits, plain.logits[:, -1:], rtol=1e-5, atol=1e-6)
+        # shift_labels: the labels already aligned with the positions.
+        aligned = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        assert torch.allclose(model(input_ids=ids, shift_labels=aligned).loss, with_labels.loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"input_ids": None}, ValueError, "exactly one of input_ids and inputs_embeds"),
+    ({"use_cache": True}, ValueError, "no key/value cache"),
+    ({"output_attentions": True}, TypeError, "unexpected keyword argument.*output_attentions"),
+    ({"logits_to_keep": -1}, ValueError, "logits_to_keep"),
+])
+def test_bad_forward_keywords_get_clear_errors(kwargs, exc, pattern):
+    model = wrap_model_to_roundpipe(hf_models.model("llama"))
+    ids, _, _ = hf_models.batch()
+    with pytest.raises(exc, match=pattern):
+        with torch.no_grad():
+            model(**{"input_ids": ids, **kwargs})
+
+
+def test_packed_mxfp4_experts_are_refused():
+    hf = hf_models.model("gpt_oss")
+    experts = hf.model.layers[0].mlp.experts
+    experts.register_parameter("gate_up_proj_blocks", torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.uint8),
+                                                                        requires_grad=False))
+    with pytest.raises(ValueError, match="MXFP4.*dequantize=True"):
+        wrap_model_to_roundpipe(hf)
+
+
+def test_models_without_a_preset():
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model = wrap_model_to_roundpipe(seq)
+    assert isinstance(model, roundpipe.RoundPipe) and model.model is seq
+    with pytest.raises(NotImplementedError, match="no preset for Linear"):
+        wrap_model_to_roundpipe(torch.nn.Linear(3, 3))
+    with pytest.raises(NotImplementedError, match="no preset for Sequential"):
+        wrap_model_to_roundpipe(seq, use_sequential_preset=True)
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        wrap_model_to_roundpipe("Qwen/Qwen3-0.6B")
+    hf = hf_models.model("llama")
+    auto = roundpipe.AutoRoundPipe(hf, optim_dtype=torch.float32)
+    assert isinstance(auto, roundpipe.RoundPipe) and auto.config is hf.config
+    assert "test_hf_wrap.py" in auto.name
