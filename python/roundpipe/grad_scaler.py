@@ -88,6 +88,8 @@ class GradScaler:
         if isinstance(new_scale, torch.Tensor):
             new_scale = float(new_scale.item())
         self._core.update(None if new_scale is None else float(new_scale), bool(is_async))
+        if not is_async:
+            self._last_used = None  # the new scale is in effect at once, as torch's
 
     def get_scale(self):
         """The calling thread's scale (1.0 when disabled). On the main thread:
@@ -106,13 +108,13 @@ class GradScaler:
     def set_growth_factor(self, new_factor):
         self._core.set_growth_factor(float(new_factor))
 
-    def get_backoff_factor(self):
+    def get_backoff_factor(self, up_to_date=False):
         return self._core.get_backoff_factor()
 
     def set_backoff_factor(self, new_factor):
         self._core.set_backoff_factor(float(new_factor))
 
-    def get_growth_interval(self):
+    def get_growth_interval(self, up_to_date=False):
         return self._core.get_growth_interval()
 
     def set_growth_interval(self, new_interval):

@@ -1,5 +1,6 @@
 """Vectorized CPU optimizers (SPEC 4.2): drop-ins for torch.optim.Adam, AdamW
-and SGD over fp32, contiguous, dense CPU tensors (the optimizer copies).
+and SGD over fp32 or complex64, contiguous, dense CPU tensors (the optimizer
+copies; complex tensors are updated as pairs of reals, as torch.optim does).
 
 Same update math as torch.optim's single-tensor implementations (results
 within 1e-6 relative), same state dict layout; the update of each parameter
@@ -23,6 +24,11 @@ def _check_unsupported(name, capturable, differentiable, foreach, fused):
     if foreach is not None or fused is not None:
         warnings.warn(f"roundpipe.optim.{name}: foreach/fused are ignored (the update is always one fused "
                       "vectorized pass)", stacklevel=3)
+
+
+def _real(tensors):
+    """Complex tensors as views of their real pairs (torch.optim's rule)."""
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
 
 
 def _closure_loss(closure):
@@ -100,7 +106,8 @@ class Adam(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             counts = [int(s.item()) + 1 for s in steps]
-            _C.adam_step(params, grads, exp_avgs, exp_avg_sqs, max_sqs, counts, float(group["lr"]),
+            _C.adam_step(_real(params), _real(grads), _real(exp_avgs), _real(exp_avg_sqs), _real(max_sqs), counts,
+                         float(group["lr"]),
                          float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
                          bool(amsgrad), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
             for s in steps:
@@ -174,10 +181,23 @@ class SGD(torch.optim.Optimizer):
                     state["momentum_buffer"] = None
             if not params:
                 continue
-            _C.sgd_step(params, grads, buffers, first, float(group["lr"]), float(momentum),
+            _C.sgd_step(_real(params), _real(grads), _real(buffers), first, float(group["lr"]), float(momentum),
                         float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
                         bool(group["maximize"]))
         return loss
 
 
-__all__ = ["Adam", "AdamW", "SGD"]
+# The other optimizers users port from the reference: torch.optim's own
+# implementations (foreach over the CPU optimizer copies), under the same names.
+Adadelta = torch.optim.Adadelta
+Adafactor = torch.optim.Adafactor
+Adagrad = torch.optim.Adagrad
+Adamax = torch.optim.Adamax
+ASGD = torch.optim.ASGD
+NAdam = torch.optim.NAdam
+RAdam = torch.optim.RAdam
+RMSprop = torch.optim.RMSprop
+Rprop = torch.optim.Rprop
+
+__all__ = ["Adam", "AdamW", "SGD", "Adadelta", "Adafactor", "Adagrad", "Adamax", "ASGD", "NAdam", "RAdam",
+           "RMSprop", "Rprop"]
