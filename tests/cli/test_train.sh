@@ -113,6 +113,21 @@ else
   fail "training from --weights/--data exited non-zero"; cat "$tmp/w.log"
 fi
 bad "q_norm" --preset qwen3 --weights "$tmp/w.safetensors" --steps 1
+# --hf-model DIR: a checkpoint directory as transformers writes it.
+mkdir -p "$tmp/hf"
+cp "$tmp/w.safetensors" "$tmp/hf/model.safetensors"
+cat >"$tmp/hf/config.json" <<'JSON'
+{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+ "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+ "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": false}
+JSON
+if "$bin" "${small[@]}" --steps 3 --hf-model "$tmp/hf" --data "$tmp/train.bin" >"$tmp/hf.log" 2>&1; then
+  grep -q "39 tensors from .*hf" "$tmp/hf.log" || { fail "--hf-model weights not reported as loaded"; cat "$tmp/hf.log"; }
+else
+  fail "training from --hf-model exited non-zero"; cat "$tmp/hf.log"
+fi
+bad "excludes" --hf-model "$tmp/hf" --preset qwen3
+bad "no config.json" --hf-model "$tmp" --steps 1
 
 # 4. Checkpoint and resume: steps 11..20 after resuming at 10 equal the
 # uninterrupted run's, bit for bit.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <sstream>
 
 namespace roundpipe {
@@ -17,12 +18,19 @@ void add_options(CLI::App& app, TrainOptions& o) {
       app.add_option("--preset", o.preset, "model preset: llama or qwen3 (tiny, byte vocabulary)")
           ->check(CLI::IsMember({"llama", "qwen3"}))
           ->capture_default_str();
-  app.add_option("--config", o.config, "Hugging Face config.json (instead of --preset)")
-      ->check(CLI::ExistingFile)
-      ->excludes(preset);
-  app.add_option("--weights", o.weights,
-                 "initial weights: safetensors file, sharded index (.json) or directory")
-      ->check(CLI::ExistingPath);
+  auto* config = app.add_option("--config", o.config, "Hugging Face config.json (instead of --preset)")
+                     ->check(CLI::ExistingFile)
+                     ->excludes(preset);
+  auto* weights = app.add_option("--weights", o.weights,
+                                 "initial weights: safetensors file, sharded index (.json) or directory")
+                      ->check(CLI::ExistingPath);
+  app.add_option("--hf-model", o.hf_model,
+                 "a Hugging Face checkpoint directory (config.json and safetensors weights): "
+                 "the same as --config DIR/config.json --weights DIR")
+      ->check(CLI::ExistingDirectory)
+      ->excludes(preset)
+      ->excludes(config)
+      ->excludes(weights);
   app.add_option("--seq-len", o.seq_len, "tokens per sequence")
       ->check(positive)
       ->capture_default_str();
@@ -135,6 +143,15 @@ std::vector<std::string> split_list(const std::string& text) {
 
 void validate(TrainOptions& o) {
   auto fail = [](const std::string& what) { throw InputError(what); };
+  if (!o.hf_model.empty()) {
+    const std::string dir = o.hf_model.back() == '/' ? o.hf_model : o.hf_model + "/";
+    if (!std::ifstream(dir + "config.json")) {
+      fail("--hf-model " + o.hf_model + ": no config.json in the directory (a Hugging Face checkpoint "
+           "directory holds config.json and *.safetensors)");
+    }
+    o.config = dir + "config.json";
+    o.weights = o.hf_model;
+  }
   if (o.min_lr > o.lr)
     fail("--min-lr (" + std::to_string(o.min_lr) + ") must not exceed --lr (" +
          std::to_string(o.lr) + ")");

@@ -22,6 +22,7 @@ struct TrainOptions {
   std::string preset = "llama";  // llama | qwen3 (tiny presets)
   std::string config;            // a Hugging Face config.json instead of the preset
   std::string weights;           // safetensors file, sharded index or directory
+  std::string hf_model;          // a Hugging Face checkpoint directory: --config DIR/config.json --weights DIR
   int64_t seq_len = 64;
   std::string dtype = "fp32";  // fp32 | bf16 | fp16
   // Data.
