@@ -141,3 +141,14 @@ def test_auto_plans_validate_and_balance():
     assert len(plans) == 2 and plans[1].fwd_plan == [range(0, 1)]
     with pytest.raises(ValueError, match="run_type"):
         ModelExecutePlan.auto("both", model)
+
+
+def test_step_forwards_its_extra_arguments_to_step_fn():
+    model = RoundPipe(torch.nn.Linear(3, 2))
+    seen = []
+    model.forward_backward((torch.randn(4, 3),), loss_fn=lambda out, _: out.sum())
+    model.step(lambda *args, **kwargs: seen.append((args, kwargs)), False, 1, "two", three=3)
+    model.step(lambda *args, **kwargs: seen.append((args, kwargs)), True, 4)
+    model.step(lambda: seen.append("none"))
+    model.synchronize()
+    assert seen == [((1, "two"), {"three": 3}), ((4,), {}), "none"]

@@ -72,6 +72,7 @@ def test_resume_is_bitwise_identical_on_other_device_counts(tmp_path):
             assert torch.equal(loss, full["losses"][step]), f"cpu:{devices}: loss of step {step} differs"
         for name, t in full["state"].items():
             assert torch.equal(t, part["state"][name]), f"cpu:{devices}: {name} differs"
+        assert len(full["copies"]) == len(part["copies"]) > 0
         for a, b in zip(full["copies"], part["copies"]):
             assert torch.equal(a, b), f"cpu:{devices}: an optimizer copy differs"
 
@@ -101,8 +102,14 @@ def test_optimizer_scaler_and_extra_round_trip(tmp_path):
     info = roundpipe.load_checkpoint(path, other, optimizer=other_opt, scaler=other_scaler)
     assert info == {"step": 12, "extra": {"lr": [1, 2]}}
     assert other_scaler.get_scale() == 128.0 and other_scaler.get_growth_interval() == 7
-    for (_, a), (_, b) in zip(sorted(opt.state_dict()["state"].items()), sorted(other_opt.state_dict()["state"].items())):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    saved, loaded = opt.state_dict(), other_opt.state_dict()
+    assert sorted(saved["state"]) == sorted(loaded["state"]) and len(saved["state"]) == len(opt.param_groups[0]["params"])
+    for key, a in saved["state"].items():
+        b = loaded["state"][key]
+        assert sorted(a) == sorted(b), key
+        for name in a:
+            assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), f"state {key} {name}"
+    assert saved["param_groups"] == loaded["param_groups"]
     other.synchronize()
     for name, t in _snapshot(model).items():
         assert torch.equal(t, other.state_dict()[name]), name

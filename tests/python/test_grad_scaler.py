@@ -138,3 +138,44 @@ def test_disabled_scaler_and_state_dict():
     assert [t.tolist() for t in on.scale([torch.ones(1), torch.ones(1)])] == [[8.0], [8.0]]
     with pytest.raises(ValueError):
         GradScaler(growth_factor=0.5)
+
+
+def test_unscale_then_clip_matches_torch_grad_scaler():
+    """SGD (linear in the gradients) with clipping between unscale_ and step,
+    against torch.amp.GradScaler on the same model and data. The clip norm
+    lies between the true gradient norm and the scaled one: gradients left
+    scaled by unscale_ would be clipped and the parameters would differ."""
+    torch.manual_seed(5)
+    net = classifier()
+    ref = copy.deepcopy(net)
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=M))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ours, theirs = GradScaler(init_scale=INIT), torch.amp.GradScaler("cpu", init_scale=INIT)
+    criterion = torch.nn.CrossEntropyLoss()
+    max_norm = 50.0
+    norms = []
+
+    def step_fn():
+        ours.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.optim_parameters(), max_norm)
+        ours.step(opt)
+        opt.zero_grad()
+
+    for i in range(4):
+        x, y = batch(i)
+        model.forward_backward((x,), label=y, loss_fn=lambda out, t: ours.scale(criterion(out, t) / M))
+        model.step(step_fn, is_async=False)
+        ours.update(is_async=False)
+        for part_x, part_y in zip(x.tensor_split(M), y.tensor_split(M)):
+            theirs.scale(criterion(ref(part_x), part_y) / M).backward()
+        theirs.unscale_(ref_opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+        theirs.step(ref_opt)
+        theirs.update()
+        ref_opt.zero_grad()
+    assert max(norms) < max_norm < INIT * min(norms), norms  # the clip tells scaled from unscaled
+    assert ours.get_scale() == theirs.get_scale()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name

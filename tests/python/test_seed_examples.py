@@ -277,6 +277,28 @@ def test_step_patterns_example():
     assert_trains(train(ns, FORWARD_BACKWARD, STEP_PATTERNS))
 
 
+def test_manual_unscale_example_with_a_scaler_equals_an_unscaled_twin():
+    """The unscale_ + clip + step example with SGD, which feels every factor
+    of its gradients: the scaled run equals a twin whose scaler is disabled
+    (scales by powers of two are exact). Gradients clipped while still
+    scaled, or unscaled twice, would not."""
+    code = "loss = model.forward_backward(input_args=(images,), label=labels,\n" + LOSS_FN_SCALER + ")\n"
+    torch.manual_seed(11)
+    net = classifier()
+    twin_net = classifier()
+    twin_net.load_state_dict(net.state_dict())
+    start = [p.clone() for p in net.parameters()]
+    ns = namespace(net, optimizer_cls=torch.optim.SGD, lr=0.02)
+    twin = namespace(twin_net, optimizer_cls=torch.optim.SGD, lr=0.02)
+    twin["scaler"] = GradScaler(enabled=False)
+    losses, twin_losses = train(ns, code, MANUAL_UNSCALE), train(twin, code, MANUAL_UNSCALE)
+    assert ns["scaler"].get_scale() > 1.0
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(twin_losses), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(net.named_parameters(), twin_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(not torch.equal(p, q) for p, q in zip(start, net.parameters()))  # it trained
+
+
 def test_synchronize_and_evaluation_examples(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     ns = namespace(classifier().to(torch.float16))
