@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -64,6 +65,15 @@ using json = nlohmann::json;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Ctrl-C (SIGINT): the run stops at the next step boundary, writes its
+// checkpoint and exits 130; a second Ctrl-C ends the process at once.
+volatile std::sig_atomic_t g_interrupted = 0;
+
+extern "C" void on_sigint(int) {
+  g_interrupted = 1;
+  std::signal(SIGINT, SIG_DFL);
+}
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -466,6 +476,14 @@ int run(const TrainOptions& o) {
       progress.message("warning: the loss of step " + std::to_string(step) + " is not finite");
     }
 
+    if (g_interrupted) {
+      progress.finish();
+      std::printf("interrupted: stopping after step %lld of %lld\n", (long long)step, (long long)last_step);
+      if (!o.checkpoint.empty()) save(step);  // resumable from here, as a mid-run checkpoint
+      model.synchronize();
+      flush();
+      return 130;
+    }
     if (o.eval_every > 0 && step % o.eval_every == 0 && step != last_step) run_eval(step);
     if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(step);
   }
@@ -522,6 +540,7 @@ int main(int argc, char** argv) {
   }
   try {
     validate(options);
+    std::signal(SIGINT, on_sigint);
     return run(options);
   } catch (const InputError& e) {
     std::fflush(stdout);

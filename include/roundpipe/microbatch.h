@@ -118,6 +118,11 @@ c10::intrusive_ptr<MicrobatchValues> as_microbatch_values(const c10::IValue& v);
 // dimension found depth-first in `args` (then in `kwargs` if `args` has none);
 // nullopt when there is no such tensor.
 c10::optional<int64_t> find_batch_size(const std::vector<c10::IValue>& args, const Kwargs& kwargs);
+// The batch size as `how` splits the inputs: the rows of the first tensor it
+// splits, along the dim it splits (find_batch_size for automatic splits);
+// nullopt for a split function or when nothing is split.
+c10::optional<int64_t> split_batch_size(const std::vector<c10::IValue>& args, const Kwargs& kwargs,
+                                        const InputSplit& how);
 
 // Splits the inputs of a call into exactly n microbatches (SPEC 5).
 // Throws c10::ValueError when a spec does not fit the value, a function returns

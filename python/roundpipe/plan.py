@@ -28,7 +28,9 @@ class ModelExecutePlan:
         memory, unlimited on CPU devices). Layer times are the models' timer
         estimates (``roundpipe.timer``); before a model has them, its
         parameter sizes stand in. ``run_type`` is "infer", "train" or
-        "fused". Returns one plan for one model, else a list. The exact rules:
+        "fused"; for "fused" only the last model gets a fused plan (it runs
+        forward_backward), the ones chained before it train plans. Returns
+        one plan for one model, else a list. The exact rules:
         include/roundpipe/auto_plan.h."""
         from . import _C
         from ._model import _engines_of

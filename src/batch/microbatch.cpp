@@ -477,6 +477,36 @@ c10::optional<int64_t> first_batch_size(const c10::IValue& v) {
   return c10::nullopt;
 }
 
+// The rows the first split tensor of `v` has along its split dim: dim 0 for
+// automatic subtrees, the spec's dim for TensorChunkSpec leaves; nullopt when
+// nothing in `v` is split.
+c10::optional<int64_t> first_split_rows(const c10::IValue& v, const Spec& spec) {
+  if (as_microbatch_values(v)) return c10::nullopt;
+  switch (spec.kind()) {
+    case Spec::Kind::kAuto:
+      return first_batch_size(v);
+    case Spec::Kind::kReplicate:
+    case Spec::Kind::kReducer:
+      return c10::nullopt;
+    case Spec::Kind::kChunk: {
+      if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().dim() == 0) return c10::nullopt;
+      const at::Tensor& t = v.toTensor();
+      const int64_t dim = spec.dim() < 0 ? spec.dim() + t.dim() : spec.dim();
+      if (dim < 0 || dim >= t.dim()) return c10::nullopt;  // split_value reports it
+      return t.size(dim);
+    }
+    default: {
+      const auto children = children_of(v, "");
+      const auto specs = match_structure(v, spec, "");
+      for (size_t i = 0; i < children.size(); ++i) {
+        const Spec& child = specs.empty() ? auto_spec() : *specs[i];
+        if (auto b = first_split_rows(child_at(v, children[i]), child)) return b;
+      }
+      return c10::nullopt;
+    }
+  }
+}
+
 void check_num_microbatches(int64_t n) {
   TORCH_CHECK_VALUE(n >= 1, "the number of microbatches must be at least 1, got ", n);
 }
@@ -492,6 +522,30 @@ c10::optional<int64_t> find_batch_size(const std::vector<c10::IValue>& args, con
   }
   for (const auto& entry : kwargs) {
     if (auto b = first_batch_size(entry.value())) return b;
+  }
+  return c10::nullopt;
+}
+
+c10::optional<int64_t> split_batch_size(const std::vector<c10::IValue>& args, const Kwargs& kwargs,
+                                        const InputSplit& how) {
+  if (how.fn) return c10::nullopt;
+  if (!how.args_spec && !how.kwargs_spec) return find_batch_size(args, kwargs);
+  try {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const Spec& spec = how.args_spec && i < how.args_spec->size() ? (*how.args_spec)[i] : auto_spec();
+      if (auto b = first_split_rows(args[i], spec)) return b;
+    }
+    for (const auto& entry : kwargs) {
+      const Spec* spec = &auto_spec();
+      if (how.kwargs_spec) {
+        for (const auto& [key, s] : *how.kwargs_spec) {
+          if (key == entry.key()) spec = &s;
+        }
+      }
+      if (auto b = first_split_rows(entry.value(), *spec)) return b;
+    }
+  } catch (const c10::Error&) {
+    // A spec that does not fit the inputs: the split itself says what is wrong.
   }
   return c10::nullopt;
 }

@@ -2,6 +2,8 @@
 // every job and copy.
 #include "engine/call.h"
 
+#include "util/interrupt.h"
+
 #include <stdexcept>
 #include <typeinfo>
 
@@ -65,7 +67,21 @@ void Call::job_done() { jobs_done_.finish(); }
 void Call::wait_all() {
   std::exception_ptr error;
   std::string context;
-  jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
+  const auto n = static_cast<int64_t>(jobs.size());
+  if (interruptible()) {
+    // An interrupt fails the call like an error: the jobs stop at their next
+    // operation and the call's effects are undone as after any failure.
+    bool interrupted = false;
+    while (!jobs_done_.wait_for(n, kInterruptPollPeriod)) {
+      if (interrupted) continue;
+      if (std::exception_ptr e = poll_interrupt()) {
+        interrupted = true;
+        fail(e, "in RoundPipe model '" + model.name + "': interrupted");
+      }
+    }
+  } else {
+    jobs_done_.wait_for(n);
+  }
   // Also after an error: host memory a copy still reads or writes must not
   // be handed back (to the caller, the optimizer) before the copy is done.
   for (const auto& job_fences : fences) {

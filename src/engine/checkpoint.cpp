@@ -17,11 +17,13 @@
 #include "engine/checkpoint_internal.h"
 
 #include "engine/checkpoint_file.h"
+#include "util/interrupt.h"
 
 #include <ATen/ATen.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <exception>
 #include <mutex>
@@ -336,12 +338,29 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   }
 
   CheckpointFileWriter writer(path);
+  // An interrupt stops the writing by a short count (the archive writer calls
+  // back from C code, which must not be unwound through) and leaves no file:
+  // the writer is never committed.
+  std::exception_ptr interrupt;
+  auto polled = std::chrono::steady_clock::now();
   try {
-    ar.save_to([&writer](const void* data, size_t size) { return writer.write(data, size); });
+    ar.save_to([&](const void* data, size_t size) -> size_t {
+      if (!interrupt && interruptible() && std::chrono::steady_clock::now() - polled >= kInterruptPollPeriod) {
+        polled = std::chrono::steady_clock::now();
+        try {
+          interrupt = poll_interrupt();
+        } catch (...) {
+          interrupt = std::current_exception();
+        }
+      }
+      return interrupt ? 0 : writer.write(data, size);
+    });
   } catch (...) {
+    if (interrupt) std::rethrow_exception(interrupt);
     writer.check_written();  // the system error is the better message
     throw;
   }
+  if (interrupt) std::rethrow_exception(interrupt);
   writer.commit();
 }
 

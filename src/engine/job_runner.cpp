@@ -49,6 +49,7 @@ class JobRunner {
   // slot's give-back, which release() does, also after an error.
   void run() {
     for (size_t i = 0; i < program_.ops.size(); ++i) {
+      if (c_.failed()) throw Cancelled{};  // another job failed, or the caller was interrupted
       const LaneOp& op = program_.ops[i];
       cursor.microbatch = op.microbatch;
       cursor.layer = -1;

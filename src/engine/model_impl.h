@@ -143,9 +143,9 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
                            const Kwargs& kwargs) const {
     int64_t m = cfg.num_microbatch().value_or(num_devices + 1);
     check_num_microbatch(m);
-    const bool split_by_function = cfg.split_input() && cfg.split_input()->fn;
-    c10::optional<int64_t> batch = find_batch_size(args, kwargs);
-    if (!split_by_function && batch && *batch < m) {
+    c10::optional<int64_t> batch =
+        cfg.split_input() ? split_batch_size(args, kwargs, *cfg.split_input()) : find_batch_size(args, kwargs);
+    if (batch && *batch < m) {
       TORCH_CHECK_VALUE(*batch >= 1, "the batch is empty (dim 0 of the first input tensor is 0)");
       TORCH_WARN("RoundPipe '", name, "': num_microbatch ", m, " is larger than the batch size ",
                  *batch, "; using ", *batch);

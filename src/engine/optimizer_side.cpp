@@ -11,6 +11,7 @@
 #include "engine/tracer.h"
 #include "optim/kernels/kernels.h"
 #include "roundpipe/optimizer.h"
+#include "util/interrupt.h"
 
 namespace roundpipe {
 namespace {
@@ -60,9 +61,11 @@ void RoundPipe::Impl::rethrow_step_error() {
 }
 
 void RoundPipe::Impl::drain_optimizer() {
-  std::promise<void> done;
-  optimizer_thread->post([&] { done.set_value(); });
-  done.get_future().wait();
+  // Shared: an interrupted wait returns while the task is still queued.
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> drained = done->get_future();
+  optimizer_thread->post([done] { done->set_value(); });
+  wait_interruptibly(drained);
 }
 
 namespace {

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <vector>
 
+#include "util/interrupt.h"
+
 namespace roundpipe {
 
 class ParamGate {
@@ -44,9 +46,19 @@ class ParamGate {
     for (size_t l = 0; l < written_.size(); ++l) mark_written(static_cast<int64_t>(l), generation);
   }
   // Waits until `layer` holds the values of write `generation` or a later one.
+  // Interruptible on a thread with an InterruptScope (the write goes on).
   void wait(int64_t layer, int64_t generation) const {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return written_.at(static_cast<size_t>(layer)) >= generation; });
+    const auto done = [&] { return written_.at(static_cast<size_t>(layer)) >= generation; };
+    if (!interruptible()) {
+      cv_.wait(lock, done);
+      return;
+    }
+    while (!cv_.wait_for(lock, kInterruptPollPeriod, done)) {
+      lock.unlock();  // the poll may take the GIL: never under this lock
+      if (std::exception_ptr e = poll_interrupt()) std::rethrow_exception(e);
+      lock.lock();
+    }
   }
   // True when `layer` holds write `generation` or a later one (never blocks).
   bool written(int64_t layer, int64_t generation) const {

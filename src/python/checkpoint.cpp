@@ -22,6 +22,7 @@ void bind_checkpoint(py::module_& m) {
   // be read) without publishing the newest step into the model's parameters.
   m.def("checkpoint_drain", [](const at::Tensor& anchor) {
     auto model = model_of(anchor, "save_checkpoint");
+    InterruptScope interrupts(poll_python_signals);
     py::gil_scoped_release nogil;  // a step_fn may need the GIL
     model->drain_optimizer();
     model->rethrow_step_error();
@@ -33,6 +34,7 @@ void bind_checkpoint(py::module_& m) {
     CheckpointState state;
     state.step = step;
     state.metadata_json = metadata_json;
+    InterruptScope interrupts(poll_python_signals);
     py::gil_scoped_release nogil;
     detail::save_checkpoint_with(path, *model, state, &blob);
   });

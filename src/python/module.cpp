@@ -86,6 +86,7 @@ class Engine {
     auto k = kwargs_to_ivalues(kwargs);
     c10::IValue out;
     {
+      InterruptScope interrupts(poll_python_signals);
       py::gil_scoped_release nogil;
       out = model().forward(std::move(a), std::move(k), cfg);
     }
@@ -105,6 +106,7 @@ class Engine {
     };
     c10::IValue out;
     {
+      InterruptScope interrupts(poll_python_signals);
       py::gil_scoped_release nogil;
       out = model().forward_backward(std::move(a), std::move(k), std::move(l), wrapped, return_outputs, cfg);
     }
@@ -115,11 +117,13 @@ class Engine {
     TORCH_CHECK_TYPE(PyCallable_Check(step_fn.ptr()), "step: step_fn must be callable");
     SharedPyObject fn(step_fn);
     StepFn wrapped = [fn] { call_python([&] { fn.get()(); }); };
+    InterruptScope interrupts(poll_python_signals);
     py::gil_scoped_release nogil;
     model().step(std::move(wrapped), is_async);
   }
 
   void synchronize() {
+    InterruptScope interrupts(poll_python_signals);
     py::gil_scoped_release nogil;
     model().synchronize();
   }

@@ -26,6 +26,12 @@ SharedPyObject::SharedPyObject(py::object obj)
         delete p;
       }) {}
 
+std::exception_ptr poll_python_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return nullptr;
+  return std::make_exception_ptr(PythonError::fetch());
+}
+
 PythonError PythonError::fetch() {
   PythonError error;
   error.persist();

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "engine/call.h"
+#include "util/interrupt.h"
 
 namespace roundpipe {
 namespace python {
@@ -59,6 +60,11 @@ auto call_python(Fn&& fn) -> decltype(fn()) {
     throw PythonError::fetch();
   }
 }
+
+// The poll of an InterruptScope around a blocking call of the main thread:
+// runs Python's pending signal handlers (GIL taken briefly) and returns the
+// exception one raised (KeyboardInterrupt on Ctrl-C), else nullptr.
+std::exception_ptr poll_python_signals();
 
 // The user's callable's name for messages ("my_loss", "<lambda>").
 std::string callable_name(const py::handle& fn);

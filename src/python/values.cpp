@@ -192,6 +192,18 @@ RoundPipe model accepts them as input and keeps the microbatches as they are.)")
         for (const auto& item : as_microbatch_values(self.value)->items) out.append(to_python(item));
         return out;
       }, "The value of each microbatch, in order.")
+      .def("__getitem__", [](const PyMicrobatchValues& self, py::object index) -> py::object {
+        py::list items;
+        for (const auto& item : as_microbatch_values(self.value)->items) items.append(to_python(item));
+        return items.attr("__getitem__")(index);
+      }, "Microbatch `index`'s value (an int or a slice), as a list would.")
+      .def("__iter__", [](const PyMicrobatchValues& self) {
+        py::list items;
+        for (const auto& item : as_microbatch_values(self.value)->items) items.append(to_python(item));
+        return items.attr("__iter__")();
+      })
+      .def("synchronize", [](py::object self) { return self; },
+           "Returns itself: the values are complete when the call that made them returns.")
       .def("__repr__", [](const PyMicrobatchValues& self) {
         return "MicrobatchValues(" + std::to_string(as_microbatch_values(self.value)->items.size()) +
                " microbatches)";

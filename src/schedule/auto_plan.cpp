@@ -15,6 +15,12 @@
 namespace roundpipe {
 namespace {
 
+// Chained models of a fused run: only the last runs forward_backward; the
+// ones before it run forward with grad, then backward (train plans).
+RunKind KindOfChained(RunKind kind, size_t model, size_t num_models) {
+  return kind == RunKind::kFused && model + 1 < num_models ? RunKind::kTrain : kind;
+}
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kNoPartition = std::numeric_limits<int64_t>::max();
 
@@ -393,17 +399,21 @@ std::vector<ModelExecutePlan> auto_plan(const std::vector<LayerCosts>& models,
   // by all models together, which is the worst of each model's best.
   // Stage minimum: per pass, or for a fused plan in all (its one call hands
   // every stage to the devices), capped at what the layers allow.
-  const auto min_count = [&](const Model& m) {
-    return std::min(options.min_stages, options.run_kind == RunKind::kFused ? 2 * m.n - 1 : m.n);
+  const auto kind_of = [&](size_t i) { return KindOfChained(options.run_kind, i, built.size()); };
+  const auto min_count = [&](size_t i) {
+    const Model& m = built[i];
+    return std::min(options.min_stages, kind_of(i) == RunKind::kFused ? 2 * m.n - 1 : m.n);
   };
   double best = 0.0;
-  for (const Model& m : built) best = std::max(best, BestReachable(m, options.run_kind, min_count(m)));
+  for (size_t i = 0; i < built.size(); ++i) {
+    best = std::max(best, BestReachable(built[i], kind_of(i), min_count(i)));
+  }
   const double budget = options.upper_threshold * best;
 
   std::vector<ModelExecutePlan> plans;
-  for (const Model& m : built) {
-    plans.push_back(PlanModel(m, options.run_kind, min_count(m), budget));
-    plans.back().validate(m.n, options.run_kind);
+  for (size_t i = 0; i < built.size(); ++i) {
+    plans.push_back(PlanModel(built[i], kind_of(i), min_count(i), budget));
+    plans.back().validate(built[i].n, kind_of(i));
   }
   return plans;
 }
@@ -421,7 +431,7 @@ double worst_stage_ms(const std::vector<ModelExecutePlan>& plans,
                     " models: pass one of each per model");
   double worst = 0.0;
   for (size_t i = 0; i < plans.size(); ++i) {
-    worst = std::max(worst, worst_stage_ms(plans[i], costs[i], kind));
+    worst = std::max(worst, worst_stage_ms(plans[i], costs[i], KindOfChained(kind, i, plans.size())));
   }
   return worst;
 }

@@ -27,6 +27,12 @@ class Countdown {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return finished_ >= n; });
   }
+  // The same for at most `timeout`; true when `n` tasks have finished.
+  template <typename Duration>
+  bool wait_for(int64_t n, Duration timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return finished_ >= n; });
+  }
 
  private:
   std::mutex mu_;

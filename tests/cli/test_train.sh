@@ -152,6 +152,27 @@ else
   echo "resume on cpu:1: steps 11..20 equal the cpu:2 run's losses"
 fi
 
+# 5. Ctrl-C: the run stops at a step boundary, writes its checkpoint and
+# exits 130; the checkpoint resumes.
+"$bin" "${small[@]}" --steps 100000 --metrics "$tmp/int.jsonl" --checkpoint "$tmp/int.ckpt" >"$tmp/int.log" 2>&1 &
+pid=$!
+for _ in $(seq 600); do
+  [ "$(grep -c '"train"' "$tmp/int.jsonl" 2>/dev/null)" -ge 3 ] && break
+  sleep 0.1
+done
+kill -INT "$pid"
+wait "$pid"
+rc=$?
+if [ "$rc" -ne 130 ]; then
+  fail "SIGINT: exit status $rc, expected 130"; cat "$tmp/int.log"
+elif ! grep -q "interrupted: stopping after step" "$tmp/int.log" || [ ! -s "$tmp/int.ckpt" ]; then
+  fail "SIGINT: no interruption note or no checkpoint"; cat "$tmp/int.log"
+else
+  "$bin" "${small[@]}" --steps 100000 --stop-after "$(( $(grep -o 'stopping after step [0-9]*' "$tmp/int.log" | grep -o '[0-9]*$') + 2 ))" \
+      --resume "$tmp/int.ckpt" >"$tmp/int2.log" 2>&1 || { fail "resume after SIGINT"; cat "$tmp/int2.log"; }
+  echo "SIGINT: exit 130 with a checkpoint that resumes"
+fi
+
 if [ "$failures" -ne 0 ]; then
   echo "$failures failure(s)"
   exit 1

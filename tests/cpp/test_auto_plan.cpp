@@ -393,8 +393,12 @@ TEST(AutoPlan, RandomJointPlansShareOneBudget) {
     SCOPED_TRACE("round " + std::to_string(round) + ": " + Name(o.run_kind));
     const auto plans = auto_plan(models, o);
     ASSERT_EQ(plans.size(), 2u);
-    const double budget = Budget(models, o);
-    for (size_t m = 0; m < 2; ++m) CheckAgainstBruteForce(plans[m], models[m], o, budget);
+    // Chained fused runs: the model before the last gets a train plan.
+    AutoPlanOptions first = o;
+    if (o.run_kind == RunKind::kFused) first.set_run_kind(RunKind::kTrain);
+    const double budget = std::max(Budget({models[0]}, first), Budget({models[1]}, o));
+    CheckAgainstBruteForce(plans[0], models[0], first, budget);
+    CheckAgainstBruteForce(plans[1], models[1], o, budget);
     EXPECT_LE(worst_stage_ms(plans, models, o.run_kind), budget);
     if (::testing::Test::HasFailure()) return;
   }
@@ -413,6 +417,18 @@ TEST(AutoPlan, JointPlanningGivesLightModelsLongerStages) {
   EXPECT_EQ(worst_stage_ms(plans, {heavy, light}, RunKind::kInfer), 10);
 }
 
+TEST(AutoPlan, ChainedFusedRunsGiveTheModelsBeforeTheLastTrainPlans) {
+  const LayerCosts a = Costs({1, 1, 1, 1}), b = Costs({1, 1, 1});
+  const auto o = AutoPlanOptions().set_run_kind(RunKind::kFused).set_min_stages(2);
+  const auto plans = auto_plan({a, b, a}, o);
+  ASSERT_EQ(plans.size(), 3u);
+  EXPECT_NO_THROW(plans[0].validate(4, RunKind::kTrain));
+  EXPECT_NO_THROW(plans[1].validate(3, RunKind::kTrain));
+  EXPECT_NO_THROW(plans[2].validate(4, RunKind::kFused));
+  EXPECT_ANY_THROW(plans[0].validate(4, RunKind::kFused));
+  EXPECT_EQ(plans[0], AutoOne(a, AutoPlanOptions(o).set_run_kind(RunKind::kTrain)));
+}
+
 TEST(AutoPlan, DeterministicAndPlanOrderMatchesModels) {
   std::mt19937 rng(7);
   for (int round = 0; round < 20; ++round) {
@@ -420,6 +436,7 @@ TEST(AutoPlan, DeterministicAndPlanOrderMatchesModels) {
     const AutoPlanOptions o = RandomOptions(rng, models);
     const auto a = auto_plan(models, o);
     EXPECT_EQ(a, auto_plan(models, o));
+    if (o.run_kind == RunKind::kFused) continue;  // the kinds depend on the order (last model fused)
     const auto b = auto_plan({models[1], models[0]}, o);
     EXPECT_EQ(a[0], b[1]);
     EXPECT_EQ(a[1], b[0]);

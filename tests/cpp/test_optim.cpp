@@ -19,6 +19,7 @@
 #include <limits>
 #include <memory>
 #include <sstream>
+#include <iostream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -531,6 +532,16 @@ TEST(OptimKernelsTest, AllSimdPathsGiveBitwiseEqualResults) {
   ThreadsAndIsaGuard guard;
   const auto isas = SupportedIsas();
   ASSERT_EQ(isas.front(), k::Isa::kScalar);
+  std::string ran;
+  for (k::Isa isa : isas) ran += std::string(ran.empty() ? "" : ", ") + k::isa_name(isa);
+  std::cout << "[ simd paths ] compared: " << ran << "\n";
+#if defined(__x86_64__) || defined(__i386__)
+  // A CPU with AVX2 must get the AVX2 path: only scalar here means the
+  // vectorized kernels were not built or not detected.
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_GE(isas.size(), 2u) << "this CPU has AVX2 and FMA but only the scalar kernels ran";
+  }
+#endif
   const auto init = RandomParams(SplitShapes(), 42);
   UseIsa(k::Isa::kScalar);
   const auto scalar = RunAllKinds(init);
