@@ -121,7 +121,7 @@ cat >"$tmp/hf/config.json" <<'JSON'
  "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
  "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": false}
 JSON
-if "$bin" "${small[@]}" --steps 3 --hf-model "$tmp/hf" --data "$tmp/train.bin" >"$tmp/hf.log" 2>&1; then
+if "$bin" "${small[@]}" --steps 6 --hf-model "$tmp/hf" --data "$tmp/train.bin" >"$tmp/hf.log" 2>&1; then
   grep -q "39 tensors from .*hf" "$tmp/hf.log" || { fail "--hf-model weights not reported as loaded"; cat "$tmp/hf.log"; }
 else
   fail "training from --hf-model exited non-zero"; cat "$tmp/hf.log"
@@ -157,7 +157,7 @@ fi
 "$bin" "${small[@]}" --steps 100000 --metrics "$tmp/int.jsonl" --checkpoint "$tmp/int.ckpt" >"$tmp/int.log" 2>&1 &
 pid=$!
 for _ in $(seq 600); do
-  [ "$(grep -c '"train"' "$tmp/int.jsonl" 2>/dev/null)" -ge 3 ] && break
+  [ "$(cat "$tmp/int.jsonl" 2>/dev/null | grep -c '"train"')" -ge 3 ] && break
   sleep 0.1
 done
 kill -INT "$pid"
