@@ -94,11 +94,16 @@ def test_seed_loop_with_injected_inf(is_async):
             loss_fn=lambda outputs, labels: scaler.scale(criterion(outputs.float(), labels) * poison) / M,
         )
         model.step(lambda: (step_fns.append(1), scaler.step(optimizer), optimizer.zero_grad()), is_async=is_async)
+        used = scaler.get_scale()  # the scale this iteration's losses were scaled with
         scaler.update(is_async=is_async)
         scales.append(scaler.get_scale())
-        real_losses.append(loss.item() / scaler.get_scale())
+        # Asynchronous: the seed's `loss.item() / scaler.get_scale()` after
+        # update() (the main view lags one update). Synchronous: as torch's,
+        # get_scale() is the new scale at once.
+        real_losses.append(loss.item() / (scaler.get_scale() if is_async else used))
     model.synchronize()
-    assert scales == expected_scales(is_async)[:STEPS]
+    # S_i for iteration i asynchronously; synchronously the scale after update i.
+    assert scales == (expected_scales(True)[:STEPS] if is_async else expected_scales(False)[1:STEPS + 1])
     for i in range(STEPS):
         if i not in INF_AT:
             assert real_losses[i] == pytest.approx(ref_losses[i], rel=1e-5), i
