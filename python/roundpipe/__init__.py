@@ -31,7 +31,8 @@ from . import _C  # noqa: E402
 from . import data, distributed, microbatch, optim, presets, safetensors, timer, trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
-from .hf import AutoRoundPipe, wrap_model_to_roundpipe
+from .auto import AutoRoundPipe
+from .hf import wrap_model_to_roundpipe
 from .grad_scaler import GradScaler  # noqa: F401
 from .optimizer_ctx import OptimizerCtx
 from .plan import ModelExecutePlan

@@ -359,12 +359,12 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
       ``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``: the preset (module doc).
       ``use_sequential_preset=False`` refuses the preset; ``True`` requires one.
     - An ``nn.Sequential``: each child is a layer.
-    - Anything else raises NotImplementedError (wrap an ``nn.Sequential`` of
-      its parts in RoundPipe).
+    - Anything else: its module tree split into pipelined parts of between
+      ``lower_threshold`` and ``upper_threshold`` bytes of parameters
+      (default: the model's size / (devices + 1)), except ``skip_modules``;
+      ``override_config`` maps a submodule to its part's run config. Returns
+      an AutoRoundPipe (roundpipe.auto).
 
-    ``lower_threshold``, ``upper_threshold``, ``skip_modules`` and
-    ``override_config`` are the reference's knobs for splitting models
-    without a preset; they are validated and otherwise unused by the presets.
     ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``, ``name``,
     ``model_run_config``, ``pin_model``, ``process_group``, ...).
     """
@@ -395,15 +395,7 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
                                   f"{', '.join(_FAMILIES)}")
     if isinstance(model, nn.Sequential):
         return RoundPipe(model, **roundpipe_kwargs)
-    raise NotImplementedError(
-        f"wrap_model_to_roundpipe: no preset for {type(model).__name__} (presets: {', '.join(_FAMILIES)}), "
-        "and models of other structures are not split automatically: put their parts in an nn.Sequential "
-        "(each child one layer) and wrap it with roundpipe.RoundPipe")
-
-
-class AutoRoundPipe(RoundPipe):
-    """``AutoRoundPipe(model, ...)`` is ``wrap_model_to_roundpipe(model, ...)``."""
-
-    def __new__(cls, model, *args, **kwargs):
-        kwargs.setdefault("name", _caller_name())
-        return wrap_model_to_roundpipe(model, *args, **kwargs)
+    from .auto import AutoRoundPipe
+    name = roundpipe_kwargs.pop("name")
+    return AutoRoundPipe.split_module_tree(model, lower_threshold, upper_threshold, skip_modules,
+                                           override_config, name, **roundpipe_kwargs)

@@ -1,0 +1,342 @@
+"""Models without a preset (SPEC 4.8): the module tree split into pipelined
+parts by parameter size.
+
+``wrap_model_to_roundpipe(model)`` of a model that has no preset and is not an
+``nn.Sequential`` walks its module tree. A submodule whose parameters take
+between ``lower_threshold`` and ``upper_threshold`` bytes (default: the
+model's size over the number of devices + 1) becomes a part: its own
+RoundPipe, running the submodule as one layer. Larger submodules are split
+into their children (an ``nn.ModuleList`` / ``nn.ModuleDict`` always is);
+smaller ones, and parts whose parameters are shared with code outside them
+(tied embeddings), stay where they are and run on the CPU in the calling
+thread, with the model's own code between the parts.
+
+The model is not rebuilt: every submodule keeps its place, name and tensors,
+so ``state_dict`` and ``save_pretrained`` write the same keys as before;
+calling a part runs its pipeline. The returned :class:`AutoRoundPipe` has
+RoundPipe's calls (``forward``, ``forward_backward`` with the microbatch loop
+of SPEC 4.1, ``step``, ``synchronize``, ``optim_parameters``, ...). Its steps
+are synchronous: the parts are separate pipelines, so the optimizer runs on
+the calling thread once every part has handed over its gradients.
+"""
+import warnings
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import _C
+from ._model import RoundPipe
+from .run_config import RoundPipeRunConfig
+
+
+class _Part(nn.Module):
+    """What a part's pipeline runs: the submodule's own forward (the
+    submodule's `forward` attribute is rerouted to the pipeline)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, *args, **kwargs):
+        return type(self.inner).forward(self.inner, *args, **kwargs)
+
+
+def _param_bytes(module):
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _plan_parts(model, lower, upper, skip):
+    """Paths of the submodules that become parts (disjoint subtrees)."""
+    parts = []
+
+    def visit(module, path):
+        if module in skip:
+            return
+        size = _param_bytes(module)
+        container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        children = list(module.named_children())
+        if not container and lower <= size <= upper and size > 0:
+            parts.append(path)
+        elif container or (size > upper and children):
+            for name, child in children:
+                visit(child, f"{path}.{name}" if path else name)
+        elif size > upper and not container:
+            parts.append(path)  # one large leaf: it cannot be split
+
+    for name, child in model.named_children():
+        visit(child, name)
+    return _without_shared(model, parts)
+
+
+def _without_shared(model, parts):
+    """Drops parts whose parameters are also used outside them: a tensor
+    must belong to one pipeline (or to the code between them)."""
+    parts = list(parts)
+    while True:
+        owners = {}
+        for mod_path, module in model.named_modules(remove_duplicate=False):
+            for p in module._parameters.values():
+                if p is None:
+                    continue
+                owner = next((q for q in parts if mod_path == q or mod_path.startswith(q + ".")), None)
+                owners.setdefault(id(p), set()).add(owner)
+        shared = {o for group in owners.values() if len(group) > 1 for o in group if o is not None}
+        if not shared:
+            return parts
+        parts = [q for q in parts if q not in shared]
+
+
+def _split(value_args, value_kwargs, label, n):
+    """SPEC 5's automatic split, for the whole model: tensors with dims are
+    split along dim 0 (a keyword tensor only if its dim 0 is the batch
+    size); everything else is replicated."""
+    leaves, spec = pytree.tree_flatten((value_args, value_kwargs))
+    batch = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if batch is None:
+        raise ValueError("forward_backward: no input tensor with a batch dimension to split")
+    n = min(n, batch)
+    arg_leaves = len(pytree.tree_leaves(value_args))
+
+    def pieces(t, i, check_batch):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or (check_batch and t.shape[0] != batch):
+            return [t] * n
+        return list(torch.tensor_split(t, n))
+
+    split_leaves = [pieces(t, i, i >= arg_leaves) for i, t in enumerate(leaves)]
+    inputs = [pytree.tree_unflatten([s[m] for s in split_leaves], spec) for m in range(n)]
+    label_leaves, label_spec = pytree.tree_flatten(label)
+    split_labels = [pieces(t, 0, False) for t in label_leaves]
+    labels = [pytree.tree_unflatten([s[m] for s in split_labels], label_spec) for m in range(n)]
+    return inputs, labels
+
+
+def _merge(outputs):
+    leaves = [pytree.tree_flatten(o) for o in outputs]
+    spec = leaves[0][1]
+    merged = []
+    for parts in zip(*(flat for flat, _ in leaves)):
+        first = parts[0]
+        if isinstance(first, torch.Tensor):
+            merged.append(torch.cat(parts) if first.dim() > 0 else torch.stack(parts).mean(0))
+        else:
+            if any(p != first for p in parts[1:]):
+                raise ValueError(f"forward_backward: an output ({first!r}) differs between microbatches")
+            merged.append(first)
+    return pytree.tree_unflatten(merged, spec)
+
+
+def _noop():
+    pass
+
+
+def _route_to(part):
+    # A plain function: copying the submodule (for a device replica) keeps it
+    # as it is instead of copying the pipeline it names.
+    def forward(*args, **kwargs):
+        return part(*args, **kwargs)
+    return forward
+
+
+class AutoRoundPipe(nn.Module):
+    """``AutoRoundPipe(model, ...)`` is ``wrap_model_to_roundpipe(model, ...)``:
+    a RoundPipe for models with a preset or an ``nn.Sequential``, else the
+    model split into parts (module doc), returned as an AutoRoundPipe."""
+
+    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async", "_built"))
+
+    def __new__(cls, model, *args, **kwargs):
+        from ._model import _caller_name
+        from .hf import wrap_model_to_roundpipe
+        kwargs.setdefault("name", _caller_name())
+        return wrap_model_to_roundpipe(model, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        pass  # built by split_module_tree; __new__ returned a built object
+
+    @classmethod
+    def split_module_tree(cls, model, lower_threshold, upper_threshold, skip_modules, override_config,
+                          name, model_run_config=None, **roundpipe_kwargs):
+        config = model_run_config if model_run_config is not None else RoundPipeRunConfig()
+        if not isinstance(config, RoundPipeRunConfig):
+            raise TypeError("wrap_model_to_roundpipe: model_run_config must be a RoundPipeRunConfig")
+        if upper_threshold is None:
+            upper_threshold = max(1, _param_bytes(model) // (_C.get_num_devices() + 1))
+        paths = _plan_parts(model, lower_threshold, upper_threshold, set(skip_modules))
+        if not paths:
+            raise ValueError(f"wrap_model_to_roundpipe: no submodule of the {type(model).__name__} has between "
+                             f"lower_threshold={lower_threshold} and upper_threshold={upper_threshold} bytes of "
+                             "parameters that it does not share; lower the thresholds")
+        self = nn.Module.__new__(cls)
+        nn.Module.__init__(self)
+        own = self.__dict__
+        self._modules["model"] = model
+        own.update(name=str(name), _run_config=config, _warned_async=False, _part_paths=paths, _built=True)
+        parts = []
+        for path in paths:
+            module = model.get_submodule(path)
+            part = RoundPipe(_Part(module), name=f"{name}.{path}",
+                             model_run_config=(override_config or {}).get(module, config), **roundpipe_kwargs)
+            module.forward = _route_to(part)  # the model's calls of the submodule run the pipeline
+            parts.append(part)
+        own["_parts"] = parts
+        self.training = model.training
+        return self
+
+    # ---- calls -------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        """The model's own forward; each part's call runs its pipeline."""
+        return self.model(*args, **kwargs)
+
+    def forward_backward(self, input_args=(), input_kwargs=None, label=None,
+                         loss_fn=lambda outputs, labels: outputs, return_outputs=False, run_config=None):
+        """The loop of SPEC 4.1 over microbatches of the whole model (automatic
+        split; ``run_config`` may set num_microbatch only)."""
+        if isinstance(input_args, list):
+            input_args = tuple(input_args)
+        if not isinstance(input_args, tuple):
+            raise TypeError(f"forward_backward: input_args must be a tuple, got {type(input_args).__name__}")
+        input_kwargs = {} if input_kwargs is None else input_kwargs
+        if not isinstance(input_kwargs, dict):
+            raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("forward_backward: loss_fn must be callable")
+        n = self._num_microbatch(run_config)
+        inputs, labels = _split(input_args, input_kwargs, label, n)
+        total, outputs = None, []
+        for (args_m, kwargs_m), label_m in zip(inputs, labels):
+            out = self.model(*args_m, **kwargs_m)
+            loss = loss_fn(out, label_m)
+            losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+            torch.autograd.backward(losses)
+            detached = [t.detach().cpu() for t in losses]
+            total = detached if total is None else [a + b for a, b in zip(total, detached)]
+            if return_outputs:
+                outputs.append(out)
+        result = total if isinstance(loss, (list, tuple)) else total[0]
+        return (result, _merge(outputs)) if return_outputs else result
+
+    def _num_microbatch(self, run_config):
+        for cfg in (run_config, self._run_config):
+            if cfg is None:
+                continue
+            if not isinstance(cfg, RoundPipeRunConfig):
+                raise TypeError("run_config must be a RoundPipeRunConfig")
+            others = [f for f in ("split_input", "split_label", "merge_output", "execute_plan")
+                      if getattr(cfg, f) is not None]
+            if others and cfg is run_config:
+                raise ValueError(f"AutoRoundPipe.forward_backward: run_config may set num_microbatch only, "
+                                 f"not {others} (they apply to each part: set them in model_run_config)")
+        for cfg in (run_config, self._run_config):
+            if cfg is not None and cfg.num_microbatch is not None:
+                return cfg.num_microbatch
+        return _C.get_num_devices() + 1
+
+    def step(self, step_fn, is_async=True, *args, **kwargs):
+        """Every part hands its gradients to its optimizer copies, then
+        ``step_fn(*args, **kwargs)`` runs here, then every part takes the new
+        values. Synchronous: ``is_async=True`` is run as ``False`` (once
+        warned); later calls see the new parameters."""
+        if not callable(step_fn):
+            raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
+        if is_async and not self._warned_async:
+            warnings.warn("AutoRoundPipe.step runs synchronously: the parts of a model split by its module tree "
+                          "are separate pipelines, whose optimizer copies one step_fn updates together",
+                          stacklevel=2)
+            self.__dict__["_warned_async"] = True
+        for part in self._parts:
+            part.step(_noop, is_async=False)
+        step_fn(*args, **kwargs)
+        for part in self._parts:
+            part.step(_noop, is_async=False)  # no gradients left to hand over: writes the new values
+
+    def synchronize(self):
+        for part in self._parts:
+            part.synchronize()
+
+    # ---- parameters --------------------------------------------------------
+
+    def _owner_of(self):
+        by_master = {}
+        for part in self._parts:
+            by_master.update(part._optim_by_master)
+        return by_master
+
+    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+        """The optimizer copies of the parts' parameters, and the parameters
+        between the parts themselves (they train in place), named as the
+        model's parameters."""
+        by_master = self._owner_of()
+        seen = set()
+        for name, p in nn.Module.named_parameters(self, prefix=prefix, remove_duplicate=False):
+            if remove_duplicate and id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) in by_master:
+                yield name, by_master[id(p)]
+            elif p.requires_grad:
+                yield name, p
+
+    def optim_parameters(self):
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        if _C.optimizer_ctx_active():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        return nn.Module.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse=True):
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def parts(self):
+        """The RoundPipe of each part, in module order."""
+        return list(self._parts)
+
+    def train(self, mode=True):
+        nn.Module.train(self, mode)
+        for part in self._parts:
+            part.train(mode)
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        self.synchronize()
+        return nn.Module.state_dict(self, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Loads in place (this module's ``model.`` keys or the model's own)
+        and refreshes the parts' optimizer copies."""
+        if assign:
+            raise ValueError("AutoRoundPipe.load_state_dict: assign=True would replace the tensors the parts hold")
+        self.synchronize()
+        keys = set(state_dict.keys())
+        own = len(keys & set(nn.Module.state_dict(self))) >= len(keys & set(self.model.state_dict()))
+        result = nn.Module.load_state_dict(self, state_dict, strict=strict) if own else \
+            self.model.load_state_dict(state_dict, strict=strict)
+        for part in self._parts:
+            part._engine.refresh_optimizer_copies()
+        return result
+
+    def _apply(self, fn, recurse=True):
+        raise TypeError("AutoRoundPipe keeps the model in host memory: it cannot be moved or converted")
+
+    # ---- attribute fall-through -------------------------------------------
+
+    def __getattr__(self, name):
+        if "model" not in self.__dict__.get("_modules", ()):
+            raise AttributeError(name)
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["model"], name)
+
+    def __setattr__(self, name, value):
+        if name in AutoRoundPipe._OWN or name in self.__dict__ or hasattr(type(self), name):
+            nn.Module.__setattr__(self, name, value)
+        else:
+            setattr(self.model, name, value)
+
+    def __repr__(self):
+        return f"AutoRoundPipe(name={self.name!r}, parts={self._part_paths})"
