@@ -163,7 +163,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (plans.size() != models.size()) std::abort();
   for (size_t i = 0; i < plans.size(); ++i) {
-    MustValidate(plans[i], models[i].num_layers(), options.run_kind, "auto_plan");
+    // Chained models of a fused run: the ones before the last get train plans.
+    const bool before_last = options.run_kind == RunKind::kFused && i + 1 < plans.size();
+    MustValidate(plans[i], models[i].num_layers(), before_last ? RunKind::kTrain : options.run_kind,
+                 "auto_plan");
   }
   // The predicted worst stage time of a returned plan exists, and keeping the
   // current plan against itself is always allowed.

@@ -82,8 +82,8 @@ class Collect(nn.Module):
 
 gc.disable()  # collections run only where the test asks for them
 collector = RoundPipe(nn.Sequential(nn.Linear(4, 4), Collect(), nn.Linear(4, 1)))
-# 80 rounds: each collection with torch loaded takes ~0.1 s.
-for i in range(80):
+# 40 rounds: each collection with torch loaded takes ~0.1 s.
+for i in range(40):
     model = unreachable_model()
     # On the model's own optimizer thread: its step_fn collects the cycle
     # that holds the model, after the caller let go.
