@@ -42,6 +42,19 @@ def _engines_of(models, who):
     return engines
 
 
+def load_into_matching(wrapper, others, state_dict, strict):
+    """Loads ``state_dict`` into the module whose keys it uses: ``wrapper``
+    (its own keys, ``model.``-prefixed) or one of ``others`` (the wrapped
+    model's keys); the most matching keys win, ``wrapper`` on a tie."""
+    candidates = [wrapper, *others]
+    keys = set(state_dict.keys()) if hasattr(state_dict, "keys") else set()
+    scores = [len(keys & set(nn.Module.state_dict(m) if m is wrapper else m.state_dict())) for m in candidates]
+    owner = candidates[scores.index(max(scores))]
+    if owner is wrapper:
+        return nn.Module.load_state_dict(wrapper, state_dict, strict=strict)
+    return owner.load_state_dict(state_dict, strict=strict)
+
+
 def _default_loss_fn(outputs, labels):
     return outputs
 
@@ -255,24 +268,12 @@ class RoundPipe(nn.Module):
             raise ValueError("RoundPipe.load_state_dict: assign=True would replace the tensors the engine "
                              "holds; load in place (assign=False)")
         self.synchronize()
-        owner = self._state_dict_owner(state_dict)
-        load = functools.partial(nn.Module.load_state_dict, self) if owner is self else owner.load_state_dict
-        result = load(state_dict, strict=strict)
+        others = [self.model]
+        if self.__dict__.get("_original") is not None:
+            others.append(self.__dict__["_original"])  # a Hugging Face model's own keys
+        result = load_into_matching(self, others, state_dict, strict)
         self._engine.refresh_optimizer_copies()
         return result
-
-    def _state_dict_owner(self, state_dict):
-        """The module whose keys ``state_dict`` uses: this RoundPipe
-        (``model.``-prefixed), the wrapped model, or the original model given
-        to set_original_model (a Hugging Face model's own keys); the most
-        matching keys win, this RoundPipe on a tie."""
-        candidates = [self, self.model]
-        if self.__dict__.get("_original") is not None:
-            candidates.append(self.__dict__["_original"])
-        keys = set(state_dict.keys()) if hasattr(state_dict, "keys") else set()
-        scores = [len(keys & set(nn.Module.state_dict(m) if m is self else m.state_dict()))
-                  for m in candidates]
-        return candidates[scores.index(max(scores))]
 
     def to(self, *args, **kwargs):
         """``to(dtype)`` converts the model's floating-point tensors and rebuilds

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import _C
-from ._model import RoundPipe
+from ._model import RoundPipe, load_into_matching
 from .run_config import RoundPipeRunConfig
 
 
@@ -98,15 +98,15 @@ def _split(value_args, value_kwargs, label, n):
     n = min(n, batch)
     arg_leaves = len(pytree.tree_leaves(value_args))
 
-    def pieces(t, i, check_batch):
+    def pieces(t, check_batch):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or (check_batch and t.shape[0] != batch):
             return [t] * n
         return list(torch.tensor_split(t, n))
 
-    split_leaves = [pieces(t, i, i >= arg_leaves) for i, t in enumerate(leaves)]
+    split_leaves = [pieces(t, i >= arg_leaves) for i, t in enumerate(leaves)]
     inputs = [pytree.tree_unflatten([s[m] for s in split_leaves], spec) for m in range(n)]
     label_leaves, label_spec = pytree.tree_flatten(label)
-    split_labels = [pieces(t, 0, False) for t in label_leaves]
+    split_labels = [pieces(t, False) for t in label_leaves]
     labels = [pytree.tree_unflatten([s[m] for s in split_labels], label_spec) for m in range(n)]
     return inputs, labels
 
@@ -218,19 +218,18 @@ class AutoRoundPipe(nn.Module):
         return (result, _merge(outputs)) if return_outputs else result
 
     def _num_microbatch(self, run_config):
-        for cfg in (run_config, self._run_config):
-            if cfg is None:
-                continue
-            if not isinstance(cfg, RoundPipeRunConfig):
+        if run_config is not None:
+            if not isinstance(run_config, RoundPipeRunConfig):
                 raise TypeError("run_config must be a RoundPipeRunConfig")
             others = [f for f in ("split_input", "split_label", "merge_output", "execute_plan")
-                      if getattr(cfg, f) is not None]
-            if others and cfg is run_config:
+                      if getattr(run_config, f) is not None]
+            if others:
                 raise ValueError(f"AutoRoundPipe.forward_backward: run_config may set num_microbatch only, "
                                  f"not {others} (they apply to each part: set them in model_run_config)")
-        for cfg in (run_config, self._run_config):
-            if cfg is not None and cfg.num_microbatch is not None:
-                return cfg.num_microbatch
+            if run_config.num_microbatch is not None:
+                return run_config.num_microbatch
+        if self._run_config.num_microbatch is not None:  # validated at construction
+            return self._run_config.num_microbatch
         return _C.get_num_devices() + 1
 
     def step(self, step_fn, is_async=True, *args, **kwargs):
@@ -311,10 +310,7 @@ class AutoRoundPipe(nn.Module):
         if assign:
             raise ValueError("AutoRoundPipe.load_state_dict: assign=True would replace the tensors the parts hold")
         self.synchronize()
-        keys = set(state_dict.keys())
-        own = len(keys & set(nn.Module.state_dict(self))) >= len(keys & set(self.model.state_dict()))
-        result = nn.Module.load_state_dict(self, state_dict, strict=strict) if own else \
-            self.model.load_state_dict(state_dict, strict=strict)
+        result = load_into_matching(self, [self.model], state_dict, strict)
         for part in self._parts:
             part._engine.refresh_optimizer_copies()
         return result
