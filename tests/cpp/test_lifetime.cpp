@@ -1,10 +1,15 @@
 // Who destroys what (docs/design/engine.md): a model whose last owner lets
-// go on its own optimizer thread (a step_fn that holds the model) is
-// destroyed elsewhere, never by a thread joining itself; the destruction does
-// happen; forward()'s autograd graph keeps the engine alive for backward.
+// go on its own optimizer thread (a step_fn that holds the model) or on a
+// device worker (a layer of another model) is destroyed elsewhere, never by a
+// thread joining itself; a model dropped with its asynchronous step in flight
+// finishes that step first; the destruction does happen; forward()'s autograd
+// graph keeps the engine alive for backward.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <cmath>
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -84,13 +89,129 @@ class WatchedLayer final : public Layer {
   std::shared_ptr<Layer> inner_;
 };
 
+// Runs `on_forward` before each forward of its linear layer (on whichever
+// device worker runs the layer).
+class CallbackLayer final : public Layer {
+ public:
+  CallbackLayer(torch::nn::Linear linear, std::function<void()> on_forward)
+      : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)), on_forward_(std::move(on_forward)) {}
+  std::string type_name() const override { return "CallbackLayer"; }
+  NamedTensors named_parameters() const override { return inner_->named_parameters(); }
+  NamedTensors named_buffers() const override { return inner_->named_buffers(); }
+  bool is_training() const override { return inner_->is_training(); }
+  void train(bool on) override { inner_->train(on); }
+  std::vector<at::Tensor> bind(int replica, const std::vector<at::Tensor>& params,
+                               const std::vector<at::Tensor>& buffers) override {
+    return inner_->bind(replica, params, buffers);
+  }
+  std::vector<at::Tensor> bound_buffers(int replica) override {
+    return inner_->bound_buffers(replica);
+  }
+  c10::IValue forward(int replica, std::vector<c10::IValue> args, Kwargs kwargs) override {
+    on_forward_();
+    return inner_->forward(replica, std::move(args), std::move(kwargs));
+  }
+  void unbind(int replica) override { inner_->unbind(replica); }
+
+ private:
+  std::shared_ptr<Layer> inner_;
+  std::function<void()> on_forward_;
+};
+
+// A model whose asynchronous step is still running (`step_body`), with a
+// layer the test watches.
+struct ModelInFlight {
+  std::shared_ptr<RoundPipe> model;
+  std::weak_ptr<Layer> watch;
+};
+
+ModelInFlight model_with_a_step_in_flight(int64_t devices, std::function<void()> step_body) {
+  auto layer = std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4));
+  ModelInFlight m{std::make_shared<RoundPipe>(
+                      std::vector<std::shared_ptr<Layer>>{layer, std::make_shared<WatchedLayer>(
+                                                                     torch::nn::Linear(4, 4))},
+                      RoundPipeOptions().set_max_devices(devices)),
+                  layer};
+  m.model->forward_backward({torch::randn({6, 4})}, make_kwargs(), torch::randn({6, 4}),
+                            mse_loss_fn());
+  m.model->step(std::move(step_body), /*is_async=*/true);
+  return m;
+}
+
+void expect_destroyed_soon(const std::weak_ptr<Layer>& watch) {
+  for (int i = 0; i < 2000 && !watch.expired(); ++i) {
+    wait_for_pending_destructions();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(watch.expired());
+}
+
+class ModelDroppedWithWorkInFlight : public ::testing::TestWithParam<int64_t> {};
+
+// The caller lets go while the step runs: the destruction waits for the
+// step, which completes (it is not cut short), and the model is gone at once.
+TEST_P(ModelDroppedWithWorkInFlight, OnTheUserThread) {
+  std::atomic<int> steps_done{0};
+  for (int i = 0; i < 5; ++i) {
+    ModelInFlight m = model_with_a_step_in_flight(GetParam(), [&steps_done] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      steps_done.fetch_add(1);
+    });
+    m.model.reset();
+    EXPECT_EQ(steps_done.load(), i + 1);
+    EXPECT_TRUE(m.watch.expired());
+  }
+}
+
+// The last reference is held by a layer of another model and dropped on the
+// device worker running that layer, while the dropped model's step waits for
+// that very drop: destroying in place (joining the optimizer thread there)
+// would block the worker on a step that cannot finish until the worker moves
+// on. The reaper destroys it instead; both models' work completes.
+TEST_P(ModelDroppedWithWorkInFlight, OnADeviceWorkerOfAnotherModel) {
+  std::atomic<int> steps_done{0};
+  for (int i = 0; i < 5; ++i) {
+    auto dropped = std::make_shared<std::atomic<bool>>(false);
+    ModelInFlight m = model_with_a_step_in_flight(GetParam(), [dropped, &steps_done] {
+      // Bounded, so that a regression fails the checks below instead of hanging.
+      for (int t = 0; t < 5000 && !dropped->load(); ++t) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      steps_done.fetch_add(1);
+    });
+    auto holder = std::make_shared<std::shared_ptr<RoundPipe>>(std::move(m.model));
+    bool destroyed_on_the_worker = true;
+    const std::weak_ptr<Layer> watch = m.watch;
+    RoundPipe other(std::vector<std::shared_ptr<Layer>>{std::make_shared<CallbackLayer>(
+                        torch::nn::Linear(4, 4),
+                        [holder, dropped, watch, &destroyed_on_the_worker] {
+                          if (dropped->load()) return;  // a later microbatch
+                          holder->reset();
+                          destroyed_on_the_worker = watch.expired();
+                          dropped->store(true);
+                        })},
+                    RoundPipeOptions().set_max_devices(GetParam()));
+    at::Tensor loss = other.forward_backward({torch::randn({6, 4})}, make_kwargs(),
+                                             torch::randn({6, 4}), mse_loss_fn())
+                          .toTensor();
+    EXPECT_TRUE(dropped->load());
+    EXPECT_FALSE(destroyed_on_the_worker);
+    EXPECT_TRUE(std::isfinite(loss.item<float>()));
+    expect_destroyed_soon(m.watch);
+  }
+  EXPECT_EQ(steps_done.load(), 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Lifetime, ModelDroppedWithWorkInFlight, ::testing::Values(1, 2),
+                         [](const auto& info) { return std::to_string(info.param) + "Devices"; });
+
 TEST(Lifetime, AModelReleasedOnItsOptimizerThreadIsStillDestroyed) {
   auto layer = std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4));
   std::weak_ptr<Layer> watch = layer;
   auto model =
       std::make_shared<RoundPipe>(std::vector<std::shared_ptr<Layer>>{layer}, RoundPipeOptions());
   layer.reset();
-  model->forward_backward({torch::randn({2, 4})}, make_kwargs(), torch::randn({2, 4}),
+  model->forward_backward({torch::randn({6, 4})}, make_kwargs(), torch::randn({6, 4}),
                           mse_loss_fn());
   model->step([model] {}, /*is_async=*/true);
   model.reset();

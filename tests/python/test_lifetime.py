@@ -1,6 +1,7 @@
 """Who destroys what (docs/design/engine.md): models released on their own
-optimizer thread, by the garbage collector on an engine thread, or under the
-GIL are destroyed where that is safe; two threads may build and train models
+optimizer thread, by the garbage collector on an engine thread, by a layer of
+another model on a device worker, on another user thread, or under the GIL,
+with work in flight, are destroyed where that is safe; two threads may build and train models
 at once; reading the parameters during an asynchronous step gives the
 published values; a layer whose dropout is conditional is recomputed exactly.
 
@@ -104,6 +105,66 @@ print("done")
 @pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
 def test_destruction_by_the_garbage_collector_on_an_engine_thread(devices):
     run_script(GC_ON_ENGINE_THREADS, devices)
+
+
+DROPPED_ELSEWHERE_IN_FLIGHT = """
+x, y = torch.randn(6, 4), torch.randn(6, 1)
+loss = torch.nn.functional.mse_loss
+
+def model_in_flight(release, stepped):
+    # A model whose asynchronous step runs until `release` is set.
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss)
+    def step_fn():
+        release.wait(10)
+        opt.step()
+        stepped.append(1)
+    model.step(step_fn, is_async=True)
+    return model
+
+class DropHeld(nn.Module):
+    # Drops the models it holds, on the device worker running this layer.
+    held = []
+    def forward(self, h):
+        DropHeld.held.clear()
+        return h
+
+other = RoundPipe(nn.Sequential(nn.Linear(4, 4), DropHeld(), nn.Linear(4, 1)))
+stepped = []
+for i in range(5):
+    # On a device worker of another model, while the dropped model's step
+    # waits for the worker's call to finish.
+    release = threading.Event()
+    DropHeld.held.append(model_in_flight(release, stepped))
+    other.forward_backward(input_args=(x,), label=y, loss_fn=loss)
+    assert not DropHeld.held
+    release.set()
+    # On another user thread, whose forward_backward is in flight when the
+    # main thread lets go.
+    release = threading.Event()
+    model = model_in_flight(release, stepped)
+    started = threading.Event()
+    def train(m):
+        started.set()
+        m.forward_backward(input_args=(x,), label=y, loss_fn=loss)  # waits for the step
+    t = threading.Thread(target=train, args=(model,))
+    t.start()
+    started.wait()
+    del model
+    release.set()
+    t.join()
+from roundpipe import _C
+_C.wait_for_pending_destructions()  # the reaper's: each destruction finishes its step
+assert len(stepped) == 10, len(stepped)
+print("done")
+"""
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
+def test_a_model_dropped_on_a_device_worker_or_another_thread_with_work_in_flight(devices):
+    run_script(DROPPED_ELSEWHERE_IN_FLIGHT, devices)
 
 
 TWO_THREADS = """
