@@ -14,6 +14,11 @@ SCRIPT = textwrap.dedent('''
     import roundpipe
     from roundpipe import RoundPipe, RoundPipeRunConfig
 
+    # Python installs its KeyboardInterrupt handler only where SIGINT was not
+    # ignored at start (a background job of a non-interactive shell starts
+    # with it ignored): install it, as an interactive session has it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     class Slow(torch.nn.Module):
         """A linear layer that takes `delay` seconds per microbatch."""
         def __init__(self, delay):
