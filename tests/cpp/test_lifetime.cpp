@@ -63,11 +63,12 @@ INSTANTIATE_TEST_SUITE_P(Lifetime, ModelDroppedOnItsOptimizerThread,
                                   std::to_string(info.param.devices) + "Devices";
                          });
 
-// A layer whose lifetime the test can observe.
+// A linear layer whose lifetime the test can observe; it runs `on_forward`
+// (if any) before each forward, on whichever device worker runs it.
 class WatchedLayer final : public Layer {
  public:
-  explicit WatchedLayer(torch::nn::Linear linear)
-      : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)) {}
+  explicit WatchedLayer(torch::nn::Linear linear, std::function<void()> on_forward = {})
+      : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)), on_forward_(std::move(on_forward)) {}
   std::string type_name() const override { return "WatchedLayer"; }
   NamedTensors named_parameters() const override { return inner_->named_parameters(); }
   NamedTensors named_buffers() const override { return inner_->named_buffers(); }
@@ -81,34 +82,7 @@ class WatchedLayer final : public Layer {
     return inner_->bound_buffers(replica);
   }
   c10::IValue forward(int replica, std::vector<c10::IValue> args, Kwargs kwargs) override {
-    return inner_->forward(replica, std::move(args), std::move(kwargs));
-  }
-  void unbind(int replica) override { inner_->unbind(replica); }
-
- private:
-  std::shared_ptr<Layer> inner_;
-};
-
-// Runs `on_forward` before each forward of its linear layer (on whichever
-// device worker runs the layer).
-class CallbackLayer final : public Layer {
- public:
-  CallbackLayer(torch::nn::Linear linear, std::function<void()> on_forward)
-      : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)), on_forward_(std::move(on_forward)) {}
-  std::string type_name() const override { return "CallbackLayer"; }
-  NamedTensors named_parameters() const override { return inner_->named_parameters(); }
-  NamedTensors named_buffers() const override { return inner_->named_buffers(); }
-  bool is_training() const override { return inner_->is_training(); }
-  void train(bool on) override { inner_->train(on); }
-  std::vector<at::Tensor> bind(int replica, const std::vector<at::Tensor>& params,
-                               const std::vector<at::Tensor>& buffers) override {
-    return inner_->bind(replica, params, buffers);
-  }
-  std::vector<at::Tensor> bound_buffers(int replica) override {
-    return inner_->bound_buffers(replica);
-  }
-  c10::IValue forward(int replica, std::vector<c10::IValue> args, Kwargs kwargs) override {
-    on_forward_();
+    if (on_forward_) on_forward_();
     return inner_->forward(replica, std::move(args), std::move(kwargs));
   }
   void unbind(int replica) override { inner_->unbind(replica); }
@@ -182,7 +156,7 @@ TEST_P(ModelDroppedWithWorkInFlight, OnADeviceWorkerOfAnotherModel) {
     auto holder = std::make_shared<std::shared_ptr<RoundPipe>>(std::move(m.model));
     bool destroyed_on_the_worker = true;
     const std::weak_ptr<Layer> watch = m.watch;
-    RoundPipe other(std::vector<std::shared_ptr<Layer>>{std::make_shared<CallbackLayer>(
+    RoundPipe other(std::vector<std::shared_ptr<Layer>>{std::make_shared<WatchedLayer>(
                         torch::nn::Linear(4, 4),
                         [holder, dropped, watch, &destroyed_on_the_worker] {
                           if (dropped->load()) return;  // a later microbatch
