@@ -189,13 +189,9 @@ TEST(Lifetime, AModelReleasedOnItsOptimizerThreadIsStillDestroyed) {
                           mse_loss_fn());
   model->step([model] {}, /*is_async=*/true);
   model.reset();
-  wait_for_pending_destructions();  // the reaper runs after the optimizer thread let go
-  // The optimizer thread may release the step_fn just after the wait was queued.
-  for (int i = 0; i < 1000 && !watch.expired(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    wait_for_pending_destructions();
-  }
-  EXPECT_TRUE(watch.expired());
+  // The reaper runs after the optimizer thread let go, which may release the
+  // step_fn just after a wait was queued.
+  expect_destroyed_soon(watch);
 }
 
 TEST(Lifetime, BackwardAfterTheModelWasDroppedUsesTheEngineTheGraphHolds) {
