@@ -112,6 +112,16 @@ class ProcessGroup::Impl {
     return host.to(device, /*non_blocking=*/false, /*copy=*/true);
   }
 
+  // What the backend is given for `staged`: its own TensorImpl over the same
+  // storage, with no autograd metadata. The backend's thread may drop a
+  // finished work, and with it the last reference to what it was given, after
+  // wait() returned; so that is never an object the caller reads (the
+  // TensorImpl the caller goes on using, or views' metadata), and every free
+  // on the backend's thread concerns memory only the backend touched. (The
+  // backend's reference counting is inside libtorch, where ThreadSanitizer
+  // cannot see it order the caller's reads before such a free.)
+  static std::vector<at::Tensor> backend_tensors(const at::Tensor& staged) { return {staged.variable_data()}; }
+
   template <typename Start>
   auto start(const std::string& what, Start&& fn) {
     std::unique_lock<std::mutex> lock(mu);
@@ -260,12 +270,13 @@ std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->timeout;
 
 std::unique_ptr<ProcessGroup::Work> ProcessGroup::start_all_reduce_sum(at::Tensor tensor, std::string what) {
   check_collective_tensor(tensor, what);
-  std::vector<at::Tensor> tensors{impl_->staged(tensor)};
+  at::Tensor staged = impl_->staged(tensor);
+  std::vector<at::Tensor> tensors = Impl::backend_tensors(staged);
   auto work = impl_->start(what, [&] {
     return impl_->on_backend([&](auto& backend) { return backend.allreduce(tensors, c10d::AllreduceOptions()); });
   });
   return std::make_unique<CollectiveWork>(std::move(work), impl_->where(what), impl_.get(), std::move(tensor),
-                                          tensors.front());
+                                          std::move(staged));
 }
 
 void ProcessGroup::Impl::wait_for_model_steps() {
@@ -288,13 +299,14 @@ void ProcessGroup::broadcast(at::Tensor tensor, int64_t root, const std::string&
   TORCH_CHECK_VALUE(root >= 0 && root < impl_->world_size, "ProcessGroup: broadcast root must be in 0..",
                     impl_->world_size - 1, ", got ", root);
   impl_->wait_for_model_steps();
-  std::vector<at::Tensor> tensors{impl_->staged(tensor)};
+  at::Tensor staged = impl_->staged(tensor);
+  std::vector<at::Tensor> tensors = Impl::backend_tensors(staged);
   c10d::BroadcastOptions options;
   options.rootRank = root;
   auto work = impl_->start(what, [&] {
     return impl_->on_backend([&](auto& backend) { return backend.broadcast(tensors, options); });
   });
-  CollectiveWork(std::move(work), impl_->where(what), impl_.get(), tensor, tensors.front()).wait();
+  CollectiveWork(std::move(work), impl_->where(what), impl_.get(), tensor, staged).wait();
 }
 
 void ProcessGroup::barrier(const std::string& what) {
