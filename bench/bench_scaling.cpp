@@ -91,8 +91,11 @@ int main() {
       costs, plan, SimOptions().set_num_devices(8).set_num_microbatch(9).set_link_gbps(kInfinity));
   const double speedup8 = rp[8].throughput / rp[1].throughput;
   std::printf("\nD=8 with free transfers: bubble %.2f%%\n", 100 * free_links.bubble);
-  std::printf("targets (BENCHMARKS.md): bubble_d8 <= 5%% %s, speedup_d8 >= 7.5 %s\n",
-              rp[8].bubble <= 0.05 ? "met" : "NOT met", speedup8 >= 7.5 ? "met" : "NOT met");
+  std::printf("targets (BENCHMARKS.md): bubble_d8 <= 3%% %s, speedup_d8 >= 7.7 %s\n",
+              rp[8].bubble <= 0.03 ? "met" : "NOT met", speedup8 >= 7.7 ? "met" : "NOT met");
+  std::printf(
+      "(the steady state overlaps iterations on the devices; the engine does not yet, so it gets "
+      "the single column: docs/design/engine.md, B4)\n");
   std::printf(
       "\nRESULT id=B4 bubble_d8=%.4f speedup_d8=%.3f bubble_1f1b_d8=%.4f bubble_gpipe_d8=%.4f",
       rp[8].bubble, speedup8, ofob[8].bubble, gpipe[8].bubble);

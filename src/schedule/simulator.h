@@ -21,7 +21,9 @@
 //    shared by all iterations; make_lane_programs() gives each job its
 //    program. The host submits every iteration at once (asynchronous steps:
 //    iterations overlap), so each device's FIFO holds its jobs of all
-//    iterations in submission order.
+//    iterations in submission order. (The engine does not overlap them yet:
+//    forward_backward waits for all its jobs, so what it achieves today is
+//    the single-iteration figure; docs/design/engine.md, B4.)
 //  - A device's worker issues its programs' operations in order and waits
 //    only for a stage slot (kTakeSlot): everything it issues after a slot
 //    wait starts after it. A slot is free once the fences of the job that
