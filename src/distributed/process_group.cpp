@@ -113,13 +113,10 @@ class ProcessGroup::Impl {
   }
 
   // What the backend is given for `staged`: its own TensorImpl over the same
-  // storage, with no autograd metadata. The backend's thread may drop a
-  // finished work, and with it the last reference to what it was given, after
-  // wait() returned; so that is never an object the caller reads (the
-  // TensorImpl the caller goes on using, or views' metadata), and every free
-  // on the backend's thread concerns memory only the backend touched. (The
-  // backend's reference counting is inside libtorch, where ThreadSanitizer
-  // cannot see it order the caller's reads before such a free.)
+  // storage, without autograd metadata. The backend's thread may drop a
+  // finished work (its last reference to these) after wait() returned; it then
+  // frees only objects the caller never reads. ThreadSanitizer cannot see the
+  // reference counts inside libtorch that order such a free after our reads.
   static std::vector<at::Tensor> backend_tensors(const at::Tensor& staged) { return {staged.variable_data()}; }
 
   template <typename Start>
