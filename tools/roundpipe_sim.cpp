@@ -10,6 +10,7 @@
 //   {"link_gbps": 25, "devices": [1, 2, 4, 8], "microbatches": "D+1",
 //    "run_kind": "fused", "warmup_iterations": 4, "measured_iterations": 0,
 //    "input_bytes": 0, "output_bytes": 0, "optimizer_ms": 0,
+//    "executor": "accelerator", "copy_delay_us": 0,
 //    "models": [{"name": "m", "plan": {"fwd": [[0, 2]], "bwd": [[2, 4], [0, 2]]},
 //                "layers": [{"fwd_ms": 1, "recompute_ms": 1, "bwd_ms": 2,
 //                            "param_bytes": 100, "activation_bytes": 10,
@@ -19,6 +20,8 @@
 // param_bytes and activation_bytes default to 0; "repeat" repeats the entry.
 // A timings file ({"format": "roundpipe-timings-1", "models": [...]}) has the
 // same "models". Command-line options override the file's values.
+// "executor": "cpu" and "copy_delay_us" model CPU devices (whose worker runs
+// compute itself) with ROUNDPIPE_CPU_COPY_DELAY_US, to predict a run on them.
 //
 // Exit status: 0 on success, 2 for bad input (with a message saying what is
 // wrong and how to fix it), 1 for anything else.
@@ -188,6 +191,12 @@ MicrobatchRule ParseMicrobatches(const std::string& text, const std::string& whe
   return r;
 }
 
+SimExecutor ParseExecutor(const std::string& s, const std::string& where) {
+  if (s == "accelerator") return SimExecutor::kAccelerator;
+  if (s == "cpu") return SimExecutor::kCpu;
+  Fail(where + " is '" + s + "': use accelerator (GPUs, the default) or cpu (CPU devices)");
+}
+
 RunKind ParseRunKind(const std::string& s, const std::string& where) {
   if (s == "fused") return RunKind::kFused;
   if (s == "train") return RunKind::kTrain;
@@ -331,8 +340,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "roundpipe-sim: predicted throughput, speedup and bubble of RoundPipe on modeled devices, "
       "with GPipe and 1F1B over the same costs"};
-  std::string config, timings, devices, microbatches, run_kind, model_name, plan = "auto";
-  std::optional<double> link_gbps, optimizer_ms;
+  std::string config, timings, devices, microbatches, run_kind, executor, model_name, plan = "auto";
+  std::optional<double> link_gbps, optimizer_ms, copy_delay_us;
   std::optional<int64_t> warmup, measured;
   Settings s;
   auto* config_opt =
@@ -350,6 +359,11 @@ int main(int argc, char** argv) {
                  "link bandwidth per direction per device, GB/s (default 25)");
   app.add_option("--optimizer-ms", optimizer_ms,
                  "host optimizer time per iteration, ms (default 0: not modeled)");
+  app.add_option("--executor", executor,
+                 "accelerator (GPUs, default) or cpu (CPU devices: compute runs on the worker)");
+  app.add_option("--copy-delay-us", copy_delay_us,
+                 "every copy starts this long after it is issued, us (CPU devices' "
+                 "ROUNDPIPE_CPU_COPY_DELAY_US; default 0)");
   app.add_option("--warmup", warmup, "warm-up iterations before measuring (default 4)");
   app.add_option("--measure", measured,
                  "measured iterations (default 0: whole round-robin periods, >= 8)");
@@ -406,10 +420,22 @@ int main(int argc, char** argv) {
       o.output_bytes = Count(doc["output_bytes"], path + ": output_bytes", 0);
     if (doc.contains("optimizer_ms"))
       o.optimizer_ms = Number(doc["optimizer_ms"], path + ": optimizer_ms");
+    if (doc.contains("executor")) {
+      if (!doc["executor"].is_string()) Fail(path + ": executor must be a string: accelerator or cpu");
+      o.executor = ParseExecutor(doc["executor"].get<std::string>(), path + ": executor");
+    }
+    if (doc.contains("copy_delay_us"))
+      o.copy_delay_ms = Number(doc["copy_delay_us"], path + ": copy_delay_us") / 1e3;
     if (!devices.empty()) s.devices = ParseDevices(devices);
     if (!microbatches.empty()) s.microbatches = ParseMicrobatches(microbatches, "--microbatches");
     s.plan = ParsePlan(plan);
     if (!run_kind.empty()) o.run_kind = ParseRunKind(run_kind, "--run-kind");
+    if (!executor.empty()) o.executor = ParseExecutor(executor, "--executor");
+    if (copy_delay_us) {
+      if (!(*copy_delay_us >= 0) || !std::isfinite(*copy_delay_us))
+        Fail("--copy-delay-us must be a finite number >= 0");
+      o.copy_delay_ms = *copy_delay_us / 1e3;
+    }
     if (link_gbps) o.link_gbps = *link_gbps;
     if (optimizer_ms) o.optimizer_ms = *optimizer_ms;
     if (warmup) o.warmup_iterations = *warmup;

@@ -38,6 +38,9 @@ class EventEngine {
     double ready = 0, start = 0, end = 0;
   };
 
+  // A resource that runs any number of tasks at once (a pure delay).
+  static constexpr int kUnlimited = -1;
+
   explicit EventEngine(int num_resources) : num_resources_(num_resources) {}
 
   int add(int resource, double dur) {
@@ -59,14 +62,21 @@ class EventEngine {
     std::vector<std::vector<int>> waiting(num_resources_);
     std::vector<char> busy(num_resources_, 0);
     std::vector<int> touched;  // resources that may start a task now
+    double now = 0;
     auto enqueue = [&](int id) {
-      waiting[tasks_[id].resource].push_back(id);
-      touched.push_back(tasks_[id].resource);
+      Task& t = tasks_[id];
+      if (t.resource == kUnlimited) {  // starts as soon as it is ready
+        t.start = now;
+        t.end = now + t.dur;
+        running.emplace(t.end, id);
+        return;
+      }
+      waiting[t.resource].push_back(id);
+      touched.push_back(t.resource);
     };
     for (size_t id = 0; id < tasks_.size(); ++id) {
       if (tasks_[id].pending == 0) enqueue(static_cast<int>(id));
     }
-    double now = 0;
     size_t ended = 0;
     for (;;) {
       for (int r : touched) {
@@ -88,8 +98,10 @@ class EventEngine {
         const Task& t = tasks_[running.top().second];
         running.pop();
         ++ended;
-        busy[t.resource] = 0;
-        touched.push_back(t.resource);
+        if (t.resource != kUnlimited) {
+          busy[t.resource] = 0;
+          touched.push_back(t.resource);
+        }
         for (int n : t.next) {
           tasks_[n].ready = std::max(tasks_[n].ready, now);
           if (--tasks_[n].pending == 0) enqueue(n);
@@ -123,9 +135,10 @@ double Bubble(double busy, int64_t devices, double ms) {
 // the device-to-host link. Device -1 is the host (optimizer lane).
 class Timeline {
  public:
-  Timeline(int64_t num_devices, double link_gbps)
+  Timeline(int64_t num_devices, double link_gbps, double copy_delay_ms)
       : num_devices_(num_devices),
         bytes_per_ms_(link_gbps * 1e6),
+        copy_delay_ms_(copy_delay_ms),
         engine_(static_cast<int>(4 * num_devices + 1)),
         last_(num_devices + 1, {kNone, kNone, kNone, kNone, kNone}) {}
 
@@ -165,13 +178,30 @@ class Timeline {
             last[static_cast<int>(TraceLane::kCompute)], last[static_cast<int>(TraceLane::kDownload)]};
   }
 
-  // A transfer of `bytes` on `lane` of `device` after `after`; with no bytes
-  // there is nothing to move and the value is ready when `after` ends.
-  int transfer(int64_t device, TraceLane lane, int64_t bytes, int after, TraceEvent event) {
+  // A transfer of `bytes` on `lane` of `device` after `after`, issued by the
+  // device's worker once `issue` ended: it starts no earlier than the copy
+  // delay after that. With no bytes there is nothing to move and the value
+  // is ready when `after` ends.
+  int transfer(int64_t device, TraceLane lane, int64_t bytes, int after, int issue, TraceEvent event) {
     if (bytes == 0) return after;
     event.bytes = bytes;
     const int id = add(device, lane, static_cast<double>(bytes) / bytes_per_ms_, std::move(event));
     depend(id, after);
+    depend(id, issue);
+    if (copy_delay_ms_ > 0) depend(id, delay(device, copy_delay_ms_, issue));
+    return id;
+  }
+
+  // A task of `ms` that starts when `after` ends and shares nothing (a
+  // copy's delay): not an event of the trace.
+  int delay(int64_t device, double ms, int after) {
+    const int id = engine_.add(EventEngine::kUnlimited, ms);
+    depend(id, after);
+    TraceEvent event;
+    event.device = device;
+    events_.push_back(std::move(event));
+    iteration_of_.push_back(iteration_);
+    shown_.push_back(0);
     return id;
   }
 
@@ -249,6 +279,7 @@ class Timeline {
 
   const int64_t num_devices_;
   const double bytes_per_ms_;
+  const double copy_delay_ms_;
   EventEngine engine_;
   std::vector<std::array<int, 5>> last_;  // [device + 1][lane]: the lane's last task
   std::vector<TraceEvent> events_;        // [task]
@@ -284,7 +315,7 @@ class RoundPipeSim {
       : c_(costs),
         plan_(plan),
         o_(o),
-        tl_(o.num_devices, o.link_gbps),
+        tl_(o.num_devices, o.link_gbps, o.copy_delay_ms),
         rr_(o.num_devices),
         host_(o.num_devices, kNone),
         slots_(o.num_devices) {}
@@ -392,20 +423,21 @@ class RoundPipeSim {
     if (v.device == d) return v.task;
     TORCH_INTERNAL_ASSERT(v.device == -1,
                           "simulator: a value moves between devices without the host");
-    if (v.bytes == 0) return v.task;
-    return issued(d, tl_.transfer(d, TraceLane::kActUpload, v.bytes, v.task, std::move(event)));
+    return tl_.transfer(d, TraceLane::kActUpload, v.bytes, v.task, host_[d], std::move(event));
   }
 
   // A value made on `d` by `task`, handed to `consumer` (-1: the host).
   Value hand_off(int64_t d, int task, int64_t bytes, int64_t consumer, TraceEvent event) {
     if (consumer == d) return Value{task, d, bytes};
-    if (bytes == 0) return Value{task, -1, bytes};
-    return Value{issued(d, tl_.transfer(d, TraceLane::kDownload, bytes, task, std::move(event))), -1, bytes};
+    return Value{tl_.transfer(d, TraceLane::kDownload, bytes, task, host_[d], std::move(event)), -1, bytes};
   }
 
   int compute(int64_t d, double ms, const std::vector<int>& deps, TraceEvent event) {
     const int id = issued(d, tl_.add(d, TraceLane::kCompute, ms, std::move(event)));
     for (int dep : deps) tl_.depend(id, dep);
+    // A CPU device's worker runs the compute: it issues its next operation
+    // only after this one ended.
+    if (o_.executor == SimExecutor::kCpu) host_[d] = id;
     return id;
   }
 
@@ -456,9 +488,9 @@ class RoundPipeSim {
           // One step behind: this iteration's parameters wait for the step two before.
           const int step = steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
           if (bytes > 0) {
-            t = issued(d, tl_.transfer(d, TraceLane::kParamUpload, bytes, task_of(op.after.at(0)),
-                                       Describe(owner, "upload", "params " + Tag(owner) + " " + Str(owner.layers),
-                                                owner.layers, -1)));
+            t = tl_.transfer(d, TraceLane::kParamUpload, bytes, task_of(op.after.at(0)), host_[d],
+                             Describe(owner, "upload", "params " + Tag(owner) + " " + Str(owner.layers),
+                                      owner.layers, -1));
             tl_.depend(t, step);
           } else {  // free parameters are still the optimizer's output
             t = tl_.host_step(d, {task_of(op.after.at(0)), step});
@@ -521,8 +553,8 @@ class RoundPipeSim {
           break;
         }
         case OpKind::kDownloadGrads:
-          t = issued(d, tl_.transfer(d, TraceLane::kDownload, param_bytes(r), last_compute,
-                                     Describe(job, "download", "grads " + tag, r, -1)));
+          t = tl_.transfer(d, TraceLane::kDownload, param_bytes(r), last_compute, host_[d],
+                           Describe(job, "download", "grads " + tag, r, -1));
           iter.grads.push_back(t);
           break;
         case OpKind::kDownloadBuffers:  // buffers are not modeled
@@ -566,6 +598,8 @@ void CheckOptions(const SimOptions& o) {
                     o.optimizer_ms);
   TORCH_CHECK_VALUE(o.optimizer_ms == 0 || o.run_kind != RunKind::kInfer,
                     "simulator: optimizer_ms is for training; set it to 0 for RunKind::kInfer");
+  TORCH_CHECK_VALUE(std::isfinite(o.copy_delay_ms) && o.copy_delay_ms >= 0,
+                    "simulator: copy_delay_ms must be finite and >= 0 (0: none), got ", o.copy_delay_ms);
   TORCH_CHECK_VALUE(o.warmup_iterations >= 0 && o.measured_iterations >= 0,
                     "simulator: warmup_iterations and measured_iterations must be >= 0, got ",
                     o.warmup_iterations, " and ", o.measured_iterations,
@@ -703,7 +737,7 @@ SimResult simulate_pipeline(PipelineSchedule schedule, const StageCosts& stages,
     for (int64_t k = m - warm; k < m; ++k) order[i].emplace_back(true, k);
   }
 
-  Timeline tl(p, link_gbps);
+  Timeline tl(p, link_gbps, /*copy_delay_ms=*/0);
   auto event = [&](const char* kind, const std::string& name, bool bwd, int64_t i, int64_t k) {
     TraceEvent e;
     e.kind = kind;
@@ -732,7 +766,7 @@ SimResult simulate_pipeline(PipelineSchedule schedule, const StageCosts& stages,
     for (auto [bwd, k] : order[i]) {
       if (bwd ? i == 0 : i == p - 1) continue;
       sent[bwd][i][k] =
-          tl.transfer(i, TraceLane::kDownload, bytes(bwd ? i - 1 : i), task[bwd][i][k],
+          tl.transfer(i, TraceLane::kDownload, bytes(bwd ? i - 1 : i), task[bwd][i][k], kNone,
                       event("handoff", "out " + label(bwd, i, k), bwd, i, k));
     }
   }
@@ -741,7 +775,7 @@ SimResult simulate_pipeline(PipelineSchedule schedule, const StageCosts& stages,
       if (bwd ? i == p - 1 : i == 0) continue;
       const int64_t from = bwd ? i + 1 : i - 1;
       const int in =
-          tl.transfer(i, TraceLane::kActUpload, bytes(bwd ? i : i - 1), sent[bwd][from][k],
+          tl.transfer(i, TraceLane::kActUpload, bytes(bwd ? i : i - 1), sent[bwd][from][k], kNone,
                       event("handoff", "in " + label(bwd, i, k), bwd, i, k));
       tl.depend(task[bwd][i][k], in);
     }

@@ -51,6 +51,11 @@
 //    one step at a time) after every gradient of the iteration is on the
 //    host; it runs one step behind, so the parameter uploads of iteration i
 //    wait for the step of iteration i - 2. Not modeled by default.
+//  - The executor (SimOptions::executor): an accelerator's worker issues
+//    everything at once; a CPU device's worker runs each compute itself, so
+//    the operations after a compute in its program are issued when it ends.
+//    A copy delay (SimOptions::copy_delay_ms) holds each copy back from its
+//    issue, as CPU devices' delayed lanes do (runtime/copy_lane.h).
 // Not modeled: host CPU time outside the optimizer, kernel launch and memory
 // allocation cost, buffers, labels, and memory limits other than the
 // stage slots above.
@@ -72,6 +77,16 @@
 
 namespace roundpipe {
 
+// How a device's worker runs its lane program (lane_program.h).
+enum class SimExecutor {
+  // An accelerator: the worker only issues operations to its lanes (CUDA
+  // streams) and blocks only for a stage slot.
+  kAccelerator,
+  // A CPU device: the worker runs each compute itself, waiting for its
+  // inputs' fences, so it issues nothing more until that compute ended.
+  kCpu,
+};
+
 struct SimOptions {
   // Devices D, used round-robin. >= 1.
   int64_t num_devices = 1;
@@ -87,6 +102,13 @@ struct SimOptions {
   // outputs (and of their gradients in kTrain). >= 0.
   int64_t input_bytes = 0;
   int64_t output_bytes = 0;
+  // The devices' executor (see SimExecutor).
+  SimExecutor executor = SimExecutor::kAccelerator;
+  // Every copy starts no earlier than this long after its worker issued it,
+  // ms (finite, >= 0), as on CPU devices with ROUNDPIPE_CPU_COPY_DELAY_US;
+  // its link is then busy for bytes / bandwidth. Copies issued together
+  // wait out their delays together.
+  double copy_delay_ms = 0;
   // Host optimizer time per iteration, ms (finite, >= 0); 0: not modeled.
   // Only for kFused and kTrain.
   double optimizer_ms = 0;
@@ -124,6 +146,14 @@ struct SimOptions {
   }
   SimOptions& set_output_bytes(int64_t v) {
     output_bytes = v;
+    return *this;
+  }
+  SimOptions& set_executor(SimExecutor v) {
+    executor = v;
+    return *this;
+  }
+  SimOptions& set_copy_delay_ms(double v) {
+    copy_delay_ms = v;
     return *this;
   }
   SimOptions& set_optimizer_ms(double v) {

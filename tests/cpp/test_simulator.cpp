@@ -352,6 +352,41 @@ TEST(SimulatorRoundPipe, ChainedStagesPassDataAcrossDevices) {
   EXPECT_DOUBLE_EQ(r.single_iteration_ms, 1 + 2 + 1 + 2 + 1);
 }
 
+TEST(SimulatorRoundPipe, CpuExecutorIssuesAfterEachComputeAndCopiesWaitOutTheirDelay) {
+  // One forward stage of one 10 ms layer, 3 microbatches, free links, every
+  // copy delayed 2 ms. An accelerator's worker issues every copy at once:
+  // the uploads are done at 2 ms, compute runs back to back, each output's
+  // download is ready when its compute ends: 2 + 30 ms. A CPU device's
+  // worker issues microbatch m + 1's upload when compute m ended, so each
+  // microbatch waits out a delay, and so does the last output: 4 x 2 + 30 ms.
+  LayerCosts c = EqualLayers(1, 1000, 1000);
+  c.fwd_ms = {10};
+  ModelExecutePlan plan;
+  plan.fwd_plan = {{0, 1}};
+  SimOptions o = SimOptions()
+                     .set_num_microbatch(3)
+                     .set_run_kind(RunKind::kInfer)
+                     .set_link_gbps(kInf)
+                     .set_input_bytes(1000)
+                     .set_output_bytes(1000)
+                     .set_copy_delay_ms(2);
+  EXPECT_DOUBLE_EQ(simulate_roundpipe(c, plan, o).single_iteration_ms, 2 + 30);
+  EXPECT_DOUBLE_EQ(simulate_roundpipe(c, plan, o.set_executor(SimExecutor::kCpu)).single_iteration_ms,
+                   4 * 2 + 30);
+  // Without a delay, running compute on the worker changes nothing here.
+  EXPECT_DOUBLE_EQ(simulate_roundpipe(c, plan, o.set_copy_delay_ms(0)).single_iteration_ms, 30);
+  // A delay does not occupy the link: the three uploads issued together
+  // wait it out together and all end at 2 ms.
+  SimResult r = simulate_roundpipe(c, plan, o.set_executor(SimExecutor::kAccelerator).set_copy_delay_ms(2));
+  int uploads = 0;
+  for (const TraceEvent& e : r.events) {
+    if (e.call != 0 || e.kind != "handoff" || e.name.rfind("in ", 0) != 0) continue;
+    ++uploads;
+    EXPECT_DOUBLE_EQ(End(e), 2000.0) << e.name;
+  }
+  EXPECT_EQ(uploads, 3);
+}
+
 TEST(SimulatorRoundPipe, OptimizerStepBoundsTheIterationTime) {
   LayerCosts c = EqualLayers(4);
   SimResult r = simulate_roundpipe(
@@ -401,6 +436,8 @@ TEST(SimulatorErrors, ClearMessages) {
             std::string::npos);
   EXPECT_NE(run(SimOptions().set_link_gbps(0)).find("link_gbps must be > 0"), std::string::npos);
   EXPECT_NE(run(SimOptions().set_optimizer_ms(-1)).find("optimizer_ms"), std::string::npos);
+  EXPECT_NE(run(SimOptions().set_copy_delay_ms(-1)).find("copy_delay_ms must be finite and >= 0"),
+            std::string::npos);
   EXPECT_NE(run(SimOptions().set_warmup_iterations(-1)).find("warmup_iterations"),
             std::string::npos);
   LayerCosts negative = c;
