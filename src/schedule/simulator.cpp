@@ -360,6 +360,14 @@ class RoundPipeSim {
     tl_.set_iteration(it);
     Iteration iter;
     const int64_t m = o_.num_microbatch;
+    if (o_.overlap == IterationOverlap::kAfterLosses && losses_known_ != kNone) {
+      // The caller issues this iteration once the previous call returned.
+      for (int64_t d = 0; d < o_.num_devices; ++d) host_[d] = tl_.host_step(d, {host_[d], losses_known_});
+    }
+    if (o_.overlap == IterationOverlap::kAfterLosses) {
+      previous_uploads_ = last_uploads_;
+      last_uploads_.assign(c_.num_layers(), kNone);
+    }
     for (CallKind kind : CallsOf(o_.run_kind)) {
       CallState call;
       call.kind = kind;
@@ -487,13 +495,23 @@ class RoundPipeSim {
           const int64_t bytes = param_bytes(owner.layers);
           // One step behind: this iteration's parameters wait for the step two before.
           const int step = steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
+          // One copy of the parameters: the step's write of a layer, which
+          // this upload reads, waits until the previous call's last upload
+          // of that layer completed.
+          std::vector<int> written{task_of(op.after.at(0)), step};
+          if (o_.overlap == IterationOverlap::kAfterLosses && !previous_uploads_.empty()) {
+            for (int64_t l = owner.layers.begin; l < owner.layers.end; ++l) written.push_back(previous_uploads_[l]);
+          }
           if (bytes > 0) {
             t = tl_.transfer(d, TraceLane::kParamUpload, bytes, task_of(op.after.at(0)), host_[d],
                              Describe(owner, "upload", "params " + Tag(owner) + " " + Str(owner.layers),
                                       owner.layers, -1));
-            tl_.depend(t, step);
+            for (int w : written) tl_.depend(t, w);
           } else {  // free parameters are still the optimizer's output
-            t = tl_.host_step(d, {task_of(op.after.at(0)), step});
+            t = tl_.host_step(d, written);
+          }
+          if (o_.overlap == IterationOverlap::kAfterLosses) {
+            for (int64_t l = owner.layers.begin; l < owner.layers.end; ++l) last_uploads_[l] = t;
           }
           break;
         }
@@ -537,6 +555,7 @@ class RoundPipeSim {
             t = compute(d, ms, deps, Describe(job, "compute", tag + mb, r, m));
           }
           last_compute = t;
+          if (job.kind == JobKind::kFused && m == o_.num_microbatch - 1) losses_known_ = t;
           break;
         }
         case OpKind::kHandOff: {
@@ -581,6 +600,11 @@ class RoundPipeSim {
   std::vector<int> host_;     // [device]: its worker's last slot wait
   std::vector<Slots> slots_;  // [device]
   std::vector<int> steps_;    // [iteration]: optimizer steps
+  // IterationOverlap::kAfterLosses: the task after which the latest call's losses
+  // are known, and per layer the last upload of the current and of the
+  // previous iteration.
+  int losses_known_ = kNone;
+  std::vector<int> last_uploads_, previous_uploads_;
   int64_t call_ = 0;
 };
 

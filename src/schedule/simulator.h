@@ -87,6 +87,19 @@ enum class SimExecutor {
   kCpu,
 };
 
+// How one iteration's calls overlap the next's on the devices.
+enum class IterationOverlap {
+  // The host issues every iteration at once: the bound of what overlap can
+  // give.
+  kFull,
+  // As the engine runs forward_backward: the next call is issued once the
+  // previous one's losses are known (its last fused compute), and, with one
+  // copy of the parameters, its upload of a layer waits until the previous
+  // call's last upload of that layer completed (the step's write between
+  // them is free here).
+  kAfterLosses,
+};
+
 struct SimOptions {
   // Devices D, used round-robin. >= 1.
   int64_t num_devices = 1;
@@ -102,6 +115,8 @@ struct SimOptions {
   // outputs (and of their gradients in kTrain). >= 0.
   int64_t input_bytes = 0;
   int64_t output_bytes = 0;
+  // Only for kFused; kFull otherwise.
+  IterationOverlap overlap = IterationOverlap::kFull;
   // The devices' executor (see SimExecutor).
   SimExecutor executor = SimExecutor::kAccelerator;
   // Every copy starts no earlier than this long after its worker issued it,
@@ -146,6 +161,10 @@ struct SimOptions {
   }
   SimOptions& set_output_bytes(int64_t v) {
     output_bytes = v;
+    return *this;
+  }
+  SimOptions& set_overlap(IterationOverlap v) {
+    overlap = v;
     return *this;
   }
   SimOptions& set_executor(SimExecutor v) {

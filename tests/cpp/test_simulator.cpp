@@ -387,6 +387,47 @@ TEST(SimulatorRoundPipe, CpuExecutorIssuesAfterEachComputeAndCopiesWaitOutTheirD
   EXPECT_EQ(uploads, 3);
 }
 
+TEST(SimulatorRoundPipe, AfterLossesIssuesAtTheLossesAndUploadsAfterThePreviousCallsLastUpload) {
+  LayerCosts c = Uneven();
+  const ModelExecutePlan plan = FusedPlan(c, 4);
+  SimOptions o = SimOptions().set_num_devices(4).set_num_microbatch(5).set_link_gbps(25);
+  const SimResult full = simulate_roundpipe(c, plan, o);
+  const SimResult r = simulate_roundpipe(c, plan, o.set_overlap(IterationOverlap::kAfterLosses));
+  EXPECT_GE(r.iteration_ms, full.iteration_ms - 1e-9);  // full overlap is the bound
+  EXPECT_EQ(r.single_iteration_ms, full.single_iteration_ms);
+  // Per call: when its losses were known (its last fused compute ended), its
+  // first event, and per layer its last upload's end and first upload's start.
+  std::map<int64_t, double> losses, first;
+  std::map<std::pair<int64_t, int64_t>, double> last_upload_end, first_upload_start;
+  for (const TraceEvent& e : r.events) {
+    first.emplace(e.call, e.start_us);
+    first[e.call] = std::min(first[e.call], e.start_us);
+    if (e.kind == "compute" && e.job == "fused") losses[e.call] = std::max(losses[e.call], End(e));
+    if (e.kind != "upload") continue;
+    for (int64_t l = e.layer_begin; l < e.layer_end; ++l) {
+      auto key = std::make_pair(e.call, l);
+      last_upload_end[key] = std::max(last_upload_end[key], End(e));
+      if (!first_upload_start.count(key) || e.start_us < first_upload_start[key]) first_upload_start[key] = e.start_us;
+    }
+  }
+  ASSERT_GE(losses.size(), 3u);
+  bool overlapped = false;
+  for (const auto& [call, start] : first) {
+    if (call == 0) continue;
+    EXPECT_GE(start, losses.at(call - 1)) << "call " << call;
+    for (int64_t l = 0; l < c.num_layers(); ++l) {
+      EXPECT_GE(first_upload_start.at({call, l}), last_upload_end.at({call - 1, l})) << "call " << call << " layer " << l;
+    }
+    // The calls do overlap: this one starts before the previous one's last event.
+    double previous_end = 0;
+    for (const TraceEvent& e : r.events) {
+      if (e.call == call - 1) previous_end = std::max(previous_end, End(e));
+    }
+    overlapped = overlapped || start < previous_end;
+  }
+  EXPECT_TRUE(overlapped);
+}
+
 TEST(SimulatorRoundPipe, OptimizerStepBoundsTheIterationTime) {
   LayerCosts c = EqualLayers(4);
   SimResult r = simulate_roundpipe(
