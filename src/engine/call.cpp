@@ -2,6 +2,7 @@
 // every job and copy.
 #include "engine/call.h"
 
+#include "engine/host_store.h"
 #include "util/interrupt.h"
 
 #include <stdexcept>
@@ -20,6 +21,98 @@ void Call::init_flow() {
   buffers.assign(jobs.size(), {});
   fences.assign(jobs.size(), {});
   records.assign(jobs.size(), JobRecord());
+  std::lock_guard<std::mutex> lock(mu_);
+  uploaded_.assign(jobs.size(), 0);
+  upload_fences_.assign(jobs.size(), nullptr);
+}
+
+void Call::find_last_readers() {
+  const HostStore& store = *model.store;
+  last_reader.assign(model.layers->size(), -1);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const LayerRange r = jobs[j].layers;
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      last_reader[l] = static_cast<int64_t>(j);
+      for (int64_t id : store.layer(l).param_ids) last_reader[store.params()[id].owner] = static_cast<int64_t>(j);
+    }
+  }
+}
+
+void Call::stage_uploaded(int64_t job, FencePtr fence) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    uploaded_.at(job) = 1;
+    upload_fences_.at(job) = std::move(fence);
+  }
+  cv_.notify_all();
+}
+
+void Call::wait_read(int64_t layer) {
+  const int64_t j = last_reader.empty() ? -1 : last_reader.at(layer);
+  if (j < 0) return;
+  FencePtr fence;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return uploaded_[j] || finished_jobs_ == static_cast<int64_t>(jobs.size()); });
+    if (!uploaded_[j]) return;  // never uploaded: the call failed first
+    fence = upload_fences_[j];
+  }
+  if (!fence) return;
+  try {
+    fence->synchronize();
+  } catch (...) {
+    // The copy failed (the call fails with it): wait until nothing of the
+    // call can still read host memory.
+    jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
+    for (const auto& job_fences : fences) {
+      for (const auto& f : job_fences) {
+        try {
+          if (f) f->synchronize();
+        } catch (...) {
+        }
+      }
+    }
+  }
+}
+
+void Call::loss_handed(FencePtr fence) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    loss_fences_.push_back(std::move(fence));
+  }
+  cv_.notify_all();
+}
+
+bool Call::wait_losses() {
+  const auto all = [&] {
+    return static_cast<int64_t>(loss_fences_.size()) == num_microbatch || error_ != nullptr ||
+           finished_jobs_ == static_cast<int64_t>(jobs.size());
+  };
+  std::vector<FencePtr> handed;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!interruptible()) {
+      cv_.wait(lock, all);
+    } else {
+      while (!cv_.wait_for(lock, kInterruptPollPeriod, all)) {
+        lock.unlock();  // the poll may take the GIL: never under this lock
+        if (std::exception_ptr e = poll_interrupt()) fail(e, "in RoundPipe model '" + model.name + "': interrupted");
+        lock.lock();
+      }
+    }
+    if (error_ != nullptr || static_cast<int64_t>(loss_fences_.size()) != num_microbatch) return false;
+    handed = loss_fences_;
+  }
+  for (const FencePtr& fence : handed) {
+    if (!fence) continue;
+    try {
+      fence->synchronize();
+    } catch (...) {
+      fail(std::current_exception(), "in RoundPipe model '" + model.name + "': waiting for a loss");
+      return false;
+    }
+  }
+  return true;
 }
 
 Slot Call::wait(const Slot& slot) {
@@ -62,7 +155,14 @@ bool Call::failed() {
   return error_ != nullptr;
 }
 
-void Call::job_done() { jobs_done_.finish(); }
+void Call::job_done() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // notified under the lock: a waiter may free the call next
+    ++finished_jobs_;
+    cv_.notify_all();
+  }
+  jobs_done_.finish();
+}
 
 void Call::wait_all() {
   std::exception_ptr error;

@@ -130,8 +130,14 @@ class Call {
   // writing it) is complete after these; the call waits for them all.
   std::vector<std::vector<FencePtr>> fences;
   std::vector<JobRecord> records;  // [job]: timing
+  // [layer]: the last job of the call whose stage upload reads the layer's
+  // host parameters (-1: none); set before the jobs are submitted.
+  std::vector<int64_t> last_reader;
 
   void init_flow();
+  // last_reader from the jobs (a stage reads its layers and the owners of
+  // the tied parameters it uses).
+  void find_last_readers();
   // Blocks until `slot` is ready; throws Cancelled if the call failed.
   Slot wait(const Slot& slot);
   // wait() for a job's input slot, whose only consumer the job is: a value
@@ -146,12 +152,28 @@ class Call {
   // rethrows the first error with context.
   void wait_all();
 
+  // Job `job` issued its stage upload, complete after `fence` (null: now).
+  void stage_uploaded(int64_t job, FencePtr fence);
+  // Blocks until nothing of this call reads layer `layer`'s host parameters
+  // any more: its last reader's upload completed, or every job finished.
+  void wait_read(int64_t layer);
+  // The fused job handed microbatch m's loss (and outputs) to the host,
+  // complete after `fence`.
+  void loss_handed(FencePtr fence);
+  // Blocks until every microbatch's loss is on the host; false when the call
+  // failed first (wait_all() then says why). Interruptible like wait_all.
+  bool wait_losses();
+
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   std::exception_ptr error_;  // guarded by mu_
   std::string context_;       // guarded by mu_
   Countdown jobs_done_;       // the last job's finish is its last use of the call
+  int64_t finished_jobs_ = 0;              // guarded by mu_
+  std::vector<char> uploaded_;             // guarded by mu_: [job] its stage upload was issued
+  std::vector<FencePtr> upload_fences_;    // guarded by mu_: [job]
+  std::vector<FencePtr> loss_fences_;      // guarded by mu_: one per microbatch handed
 };
 
 // Thrown inside a job when another job of its call failed first.

@@ -265,6 +265,7 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   TORCH_CHECK_VALUE(!path.empty(), "save_checkpoint: the path is empty");
   // The step in flight finishes, but its result stays out of the masters:
   // the next calls must still see θ_{k-1}. Both generations are saved.
+  m.finish_in_flight();
   m.drain_optimizer();
   m.rethrow_step_error();
   if (m.group) {
@@ -366,6 +367,7 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
 
 PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr<RoundPipe::Impl>& model) {
   RoundPipe::Impl& m = *model;
+  m.finish_in_flight();
   m.drain_optimizer();
   m.rethrow_step_error();
   torch::serialize::InputArchive ar;
@@ -463,6 +465,7 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
 
 void PendingCheckpoint::apply() {
   RoundPipe::Impl& m = *model;
+  m.finish_in_flight();
   m.drain_optimizer();  // nothing may run while the state is replaced
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.detach().copy_(src);

@@ -141,6 +141,7 @@ class JobRunner {
                                          st.end});
     }
     op_fences_[op] = st.uploaded;
+    c_.stage_uploaded(job, st.uploaded);  // its host parameters are read once this completes
     if (static_cast<size_t>(job) == j_) {
       own_stage_ = std::move(st);
     } else {  // a later job of this device: it takes the tensors (and the slot) over
@@ -205,8 +206,15 @@ class JobRunner {
   void hand_off_result(int64_t m) {
     cursor.layer = -1;
     if (job_.kind == JobKind::kFused) {
-      c_.losses[m] = hand_off(loss_, -1, m).value;
-      if (c_.keep_outputs) c_.outputs[m] = hand_off(outputs_, -1, m).value;
+      Slot loss = hand_off(loss_, -1, m);
+      c_.losses[m] = loss.value;
+      FencePtr handed = loss.fence;
+      if (c_.keep_outputs) {
+        Slot outputs = hand_off(outputs_, -1, m);
+        c_.outputs[m] = outputs.value;
+        if (outputs.fence) handed = outputs.fence;  // the download lane is FIFO: it covers the loss too
+      }
+      c_.loss_handed(std::move(handed));
     }
     c_.publish(c_.flow[j_ + 1][m], hand_off(x_, next_device(), m));
     in_ = Slot();

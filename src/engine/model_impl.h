@@ -75,6 +75,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     if (defaults.num_microbatch()) check_num_microbatch(*defaults.num_microbatch());
     if (defaults.execute_plan()) check_model_plan(*defaults.execute_plan());
     param_gate = std::make_unique<ParamGate>(num_layers());
+    for (const auto& l : layers) has_buffers = has_buffers || !l->named_buffers().empty();
     make_optimizer_copies(options.optim_dtype);
     // Packing into arenas and cloning replicas freed about the model's size
     // of heap memory: give it back to the system rather than keep it resident.
@@ -191,11 +192,21 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   }
 
   // Runs every job of `call` (its jobs and flow already set) on the devices
-  // the scheduler gives them, and waits; rethrows the first error.
+  // the scheduler gives them, and waits; rethrows the first error. A call
+  // still in flight is finished first.
   void execute(const std::shared_ptr<Call>& call) {
+    finish_in_flight();
+    submit(call);
+    finish(*call);
+  }
+
+  // Hands `call`'s jobs to the devices the scheduler gives them.
+  void submit(const std::shared_ptr<Call>& call) {
+    record_calls_finished_by_steps();
     DevicePool& pool = DevicePool::instance();
     round_robin().assign(call->jobs, num_devices);
     call->programs = make_lane_programs(call->jobs, call->num_microbatch);
+    call->find_last_readers();
     std::vector<int64_t> devices;
     std::vector<std::function<void(Device&)>> tasks;
     for (size_t j = 0; j < call->jobs.size(); ++j) {
@@ -203,14 +214,55 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       tasks.push_back([c = call.get(), j](Device& dev) { run_job(*c, j, dev); });  // call outlives its jobs
     }
     pool.submit_batch(devices, tasks);
+  }
+
+  // Waits for a submitted call, records its timings and trace; rethrows its
+  // first error. (commit() applies it.)
+  void finish(Call& call) {
     try {
-      call->wait_all();
+      call.wait_all();
     } catch (...) {
-      add_to_trace(*call);
+      add_to_trace(call);
       throw;
     }
-    record_layer_times(*call, timer);
-    add_to_trace(*call);
+    record_layer_times(call, timer);
+    add_to_trace(call);
+  }
+
+  // A call's failure raised by a later call: the later one's jobs stop and
+  // it changes nothing; rethrows `error`.
+  [[noreturn]] void cancel_and_rethrow(Call& call, std::exception_ptr error) {
+    call.fail(std::make_exception_ptr(std::runtime_error("cancelled")), "");
+    try {
+      call.wait_all();
+    } catch (...) {
+    }
+    std::rethrow_exception(error);
+  }
+
+  // The forward_backward still running its backward stages (iteration
+  // overlap), finished and applied; its error is raised here. No-op when
+  // none is in flight (a step may have taken it).
+  void finish_in_flight() {
+    if (!in_flight) return;
+    std::shared_ptr<Call> call = std::move(in_flight);
+    in_flight.reset();
+    finish(*call);
+    commit(*call);
+  }
+
+  // Timings and traces of the calls whose completion a step awaited on the
+  // optimizer thread (the timer and the tracer belong to the user thread).
+  void record_calls_finished_by_steps() {
+    std::vector<std::shared_ptr<Call>> calls;
+    {
+      std::lock_guard<std::mutex> lock(optim_mu);
+      calls.swap(finished_by_steps);
+    }
+    for (const auto& call : calls) {
+      if (!call->failed()) record_layer_times(*call, timer);
+      add_to_trace(*call);
+    }
   }
 
   static void add_to_trace(const Call& call) {
@@ -261,7 +313,10 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   void copy_model_to_optimizer();
   // Optimizer copies -> model parameters (cast to the model dtype), layer by
   // layer, marking each layer written for `generation` of param_gate.
-  void write_model_parameters(int64_t generation);
+  // With `reading` (a call in flight), layer l is written only once that
+  // call no longer reads it, deepest layers first (the order they are
+  // released in).
+  void write_model_parameters(int64_t generation, Call* reading = nullptr);
   void step(StepFn step_fn, bool is_async);
   void synchronize();
   // Waits until the model's parameters hold what the latest step published
@@ -272,7 +327,13 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     if (!optimizer_thread->on_this_thread()) param_gate->wait_all(param_gate->issued());
   }
 
+  // A forward_backward whose backward stages still run (iteration overlap;
+  // user thread). A step takes it to the optimizer thread.
+  std::shared_ptr<Call> in_flight;
+  bool has_buffers = false;  // some layer has buffers: calls do not overlap
+
   std::mutex optim_mu;
+  std::vector<std::shared_ptr<Call>> finished_by_steps;  // guarded by optim_mu
   std::exception_ptr step_error;      // guarded by optim_mu: first error of a step_fn
   std::string step_error_context;     // guarded by optim_mu
   int64_t steps_issued = 0;           // user thread only
@@ -297,6 +358,15 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
   // Declared last: destroyed first, after running what is queued.
   std::unique_ptr<WorkerThread> optimizer_thread;
+
+ public:
+  ~Impl() {
+    if (!in_flight) return;
+    try {  // its jobs use the layers and the store: they end first
+      in_flight->wait_all();
+    } catch (...) {
+    }
+  }
 };
 
 }  // namespace roundpipe

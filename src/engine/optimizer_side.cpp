@@ -35,6 +35,13 @@ void set_sync_warmup_steps(int64_t n) {
 
 int64_t get_sync_warmup_steps() { return sync_warmup_steps.load(); }
 
+namespace {
+std::atomic<bool> overlap_iterations{false};
+}  // namespace
+
+void set_overlap_iterations(bool on) { overlap_iterations.store(on); }
+bool get_overlap_iterations() { return overlap_iterations.load(); }
+
 OptimizerCtx::OptimizerCtx() { ++optimizer_ctx_depth; }
 OptimizerCtx::~OptimizerCtx() { --optimizer_ctx_depth; }
 bool OptimizerCtx::active() { return optimizer_ctx_depth > 0; }
@@ -89,12 +96,15 @@ void write_one(HostParam& p) {
 
 }  // namespace
 
-void RoundPipe::Impl::write_model_parameters(int64_t generation) {
+void RoundPipe::Impl::write_model_parameters(int64_t generation, Call* reading) {
   at::NoGradGuard no_grad;
   try {
-    // Layer by layer, in model order: each layer is released to the calls
-    // waiting for it as soon as its parameters are written.
-    for (int64_t l = 0; l < num_layers(); ++l) {
+    // Layer by layer, in model order (deepest first while a call still
+    // reads them): each layer is released to the calls waiting for it as
+    // soon as its parameters are written.
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const int64_t l = reading ? num_layers() - 1 - i : i;
+      if (reading) reading->wait_read(l);
       for (int64_t id : store->layer(l).owned) {
         HostParam& p = store->params()[id];
         if (p.optim.defined()) write_one(p);
@@ -130,6 +140,10 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
     if (g.from_grad.defined()) p.master.mutable_grad().reset();
     if (g.accumulated.defined() || g.from_grad.defined()) pending->push_back(std::move(g));
   }
+  // A forward_backward still in flight (iteration overlap): its gradients
+  // are taken on the optimizer thread once its jobs are done.
+  std::shared_ptr<Call> call = std::move(in_flight);
+  in_flight.reset();
   // Calls issued from now on wait, layer by layer, for this step's write.
   const int64_t generation = param_gate->begin_write();
   const std::string context = "in RoundPipe model '" + name + "': step " + std::to_string(k);
@@ -141,7 +155,7 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
     }
   };
   const bool trace = Tracer::instance().on();
-  optimizer_thread->post([this, pending, step_fn = std::move(step_fn), delayed, record, generation, trace, k] {
+  optimizer_thread->post([this, pending, call, step_fn = std::move(step_fn), delayed, record, generation, trace, k] {
     detail::begin_step_task();
     // Optimizer-row events of the timeline trace.
     auto add_event = [&](const std::string& what, double start_ms) {
@@ -161,21 +175,46 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
       // this step_fn runs (θ_{k-1}); written first, so they can start.
       const double start = host_now_ms();
       try {
-        write_model_parameters(generation);
+        write_model_parameters(generation, call.get());
       } catch (...) {
         ok = false;
         record(std::current_exception());
       }
       add_event("write-back", start);
     }
+    if (call) {
+      try {
+        call->wait_all();
+      } catch (...) {  // its gradients are not applied, and this step_fn does not run
+        ok = false;
+        record(std::current_exception());
+      }
+      std::lock_guard<std::mutex> lock(optim_mu);
+      finished_by_steps.push_back(call);  // timings and trace, on the user thread
+    }
     const double step_start = host_now_ms();
     try {
       at::NoGradGuard no_grad;
-      std::vector<at::Tensor> sums(store->params().size());  // by parameter id
+      // As commit() would have added the call's gradients to the
+      // accumulators (job order), then what synchronize() left in .grad.
+      std::vector<at::Tensor> acc(store->params().size()), from_grad(store->params().size());
       for (const PendingGrad& g : *pending) {
-        at::Tensor sum = g.accumulated.defined() ? g.accumulated : at::Tensor();
-        if (g.from_grad.defined()) sum = sum.defined() ? sum + g.from_grad : g.from_grad;
-        sums[g.id] = std::move(sum);
+        acc[g.id] = g.accumulated;
+        from_grad[g.id] = g.from_grad;
+      }
+      if (call && ok) {
+        for (const auto& job_grads : call->grads) {
+          for (const auto& [id, grad] : job_grads) {
+            if (!store->params()[id].optim.defined()) continue;
+            acc[id] = acc[id].defined() ? acc[id].add_(grad) : grad.to(at::kFloat);
+          }
+        }
+      }
+      std::vector<at::Tensor> sums(store->params().size());  // by parameter id
+      for (size_t id = 0; id < sums.size(); ++id) {
+        at::Tensor sum = acc[id];
+        if (from_grad[id].defined()) sum = sum.defined() ? sum + from_grad[id] : from_grad[id];
+        sums[id] = std::move(sum);
       }
       auto hand_off = [&](int64_t id) {
         const at::Tensor& sum = sums[id];
@@ -191,7 +230,7 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
       if (group) {
         reduce_gradients(*group, reduction, *store, sums, hand_off, "");
       } else {
-        for (const PendingGrad& g : *pending) hand_off(g.id);
+        for (size_t id = 0; id < sums.size(); ++id) hand_off(static_cast<int64_t>(id));
       }
     } catch (...) {
       ok = false;
@@ -225,7 +264,9 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
 }
 
 void RoundPipe::Impl::synchronize() {
+  finish_in_flight();
   drain_optimizer();
+  record_calls_finished_by_steps();
   rethrow_step_error();
   // After a delayed step the model holds θ_{k-1}; bring it to θ_k. (Only
   // then: a model trained directly, without step, keeps its own values.)
@@ -288,6 +329,7 @@ std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
 }
 
 void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict) {
+  impl_->finish_in_flight();
   impl_->drain_optimizer();
   impl_->rethrow_step_error();
   std::unordered_map<std::string, at::Tensor> given;
@@ -331,6 +373,7 @@ void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Ten
 }
 
 void RoundPipe::refresh_optimizer_copies() {
+  impl_->finish_in_flight();
   impl_->drain_optimizer();
   impl_->rethrow_step_error();
   impl_->model_behind_optimizer = false;

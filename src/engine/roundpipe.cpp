@@ -260,18 +260,48 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   call->jobs = make_jobs(plan, CallKind::kFused);
   call->init_flow();
   Impl::feed_inputs(*call, inputs);
-  m.execute(call);
+  // Overlap: this call returns at its losses, with its backward stages still
+  // running, unless the caller needs its input gradients now or the model's
+  // buffers (written back by commit) would race with the next call's uploads.
+  bool overlap = get_overlap_iterations() && !m.has_buffers;
+  for (int64_t mb = 0; mb < n && overlap; ++mb) {
+    for (const at::Tensor& t : flatten_tensors(call->flow[0][mb].value)) overlap = overlap && !t.requires_grad();
+  }
+  // Submitted before the call in flight is finished: its jobs queue behind
+  // that call's last backward stages.
+  m.submit(call);
+  try {
+    m.finish_in_flight();
+  } catch (...) {
+    m.cancel_and_rethrow(*call, std::current_exception());
+  }
+  if (!overlap) {
+    m.finish(*call);  // rethrows a failure
+  } else if (!call->wait_losses()) {
+    m.finish(*call);  // rethrows the failure
+    overlap = false;
+  }
   // The loss and the merged outputs before anything is applied: a merge spec
   // that does not fit (or an output device that cannot be reached) changes
   // nothing.
   c10::IValue loss, merged;
-  checking_arguments(m.name, "forward_backward", [&] {
-    loss = sum_losses(call->losses);
-    if (return_outputs) {
-      merged = move_outputs(merge_outputs(call->outputs, cfg.merge_output().value_or(OutputMerge{})), cfg);
-    }
-    return 0;
-  });
+  try {
+    checking_arguments(m.name, "forward_backward", [&] {
+      loss = sum_losses(call->losses);
+      if (return_outputs) {
+        merged = move_outputs(merge_outputs(call->outputs, cfg.merge_output().value_or(OutputMerge{})), cfg);
+      }
+      return 0;
+    });
+  } catch (...) {
+    if (overlap) m.cancel_and_rethrow(*call, std::current_exception());
+    throw;
+  }
+  if (overlap) {
+    m.in_flight = call;  // finished by the next call that needs it
+    if (!return_outputs) return loss;
+    return c10::ivalue::Tuple::create({loss, merged});
+  }
   m.commit(*call);
 
   // Gradients for the caller's inputs, through the split (autograd views).

@@ -305,6 +305,8 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("set_sync_warmup_steps", &set_sync_warmup_steps);
   m.def("get_sync_warmup_steps", &get_sync_warmup_steps);
+  m.def("set_overlap_iterations", &set_overlap_iterations);
+  m.def("get_overlap_iterations", &get_overlap_iterations);
 
   py::class_<OptimizerCtx>(m, "_OptimizerCtxGuard").def(py::init<>());
   m.def("optimizer_ctx_active", &OptimizerCtx::active);

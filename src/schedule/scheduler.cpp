@@ -51,7 +51,7 @@ void RoundRobin::assign(std::vector<JobSpec>& jobs, int64_t num_devices) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t n = static_cast<int64_t>(jobs.size());
   for (int64_t i = 0; i < n; ++i) jobs[i].device = (next_ + i) % num_devices;
-  next_ = (next_ + n) % pool_size_;
+  next_ += n;  // not reduced: every device count sees its own rotation (2^63 jobs do not come)
 }
 
 }  // namespace roundpipe

@@ -49,8 +49,10 @@ class RoundRobin {
   explicit RoundRobin(int64_t pool_size);
 
   // Gives jobs[i].device = (next + i) % num_devices for each job, then moves
-  // `next` on by the number of jobs (modulo the pool size). 1 <= num_devices
-  // <= pool size, else c10::ValueError.
+  // `next` on by the number of jobs, so that a model's next call starts on
+  // the device after its last job's, also on fewer devices than the pool
+  // (the next call's first job then queues behind the fewest of this one's).
+  // 1 <= num_devices <= pool size, else c10::ValueError.
   void assign(std::vector<JobSpec>& jobs, int64_t num_devices);
 
   int64_t pool_size() const { return pool_size_; }
@@ -58,7 +60,7 @@ class RoundRobin {
  private:
   const int64_t pool_size_;
   std::mutex mu_;
-  int64_t next_ = 0;  // guarded by mu_
+  int64_t next_ = 0;  // guarded by mu_: jobs assigned so far
 };
 
 }  // namespace roundpipe

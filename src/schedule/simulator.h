@@ -19,11 +19,11 @@
 //    forward() then backward(); kInfer: forward(). Its jobs come from
 //    make_jobs() and get devices from one RoundRobin over the D devices,
 //    shared by all iterations; make_lane_programs() gives each job its
-//    program. The host submits every iteration at once (asynchronous steps:
-//    iterations overlap), so each device's FIFO holds its jobs of all
-//    iterations in submission order. (The engine does not overlap them yet:
-//    forward_backward waits for all its jobs, so what it achieves today is
-//    the single-iteration figure; docs/design/engine.md, B4.)
+//    program. With IterationOverlap::kFull (default) the host submits every
+//    iteration at once, so each device's FIFO holds its jobs of all
+//    iterations in submission order; kAfterLosses is what the engine does
+//    with set_overlap_iterations(true) (below), and without it the engine
+//    gets the single-iteration figure (docs/design/engine.md, B4).
 //  - A device's worker issues its programs' operations in order and waits
 //    only for a stage slot (kTakeSlot): everything it issues after a slot
 //    wait starts after it. A slot is free once the fences of the job that
