@@ -479,5 +479,62 @@ TEST(Simulator, PredictsARealRunsIterationTimeWithinTenPercent) {
                                                        << predicted_ms << " ms";
 }
 
+TEST(Simulator, PredictsAnOverlappedRunsIterationTimeWithinTenPercent) {
+  // As above, with iteration overlap and asynchronous steps: the simulator's
+  // kAfterLosses lifecycle (the next call issued at the losses, each stage
+  // upload after the previous call's last upload of its layers) against the
+  // run's steady-state time per iteration.
+  constexpr int64_t kWidth = 32, kBatch = 8, kMicrobatches = 4, kDevices = 3, kWarmup = 3, kMeasured = 6;
+  const std::vector<int64_t> fwd_us = {3000, 5000, 4000, 6000, 3000, 5000, 4000, 6000};
+  testing::CopyDelay delay(4000);
+  const bool overlap_before = get_overlap_iterations();
+  set_overlap_iterations(true);
+  torch::manual_seed(3);
+  torch::nn::Sequential net;
+  for (int64_t us : fwd_us) net->push_back(TimedLayer(kWidth, us, 2 * us));
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(kDevices));
+  torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(1e-3));
+  ModelExecutePlan plan;
+  plan.fwd_plan = {{0, 2}, {2, 4}, {4, 6}};
+  plan.bwd_plan = {{6, 8}, {4, 6}, {2, 4}, {0, 2}};
+  const RunConfig cfg = RunConfig().num_microbatch(kMicrobatches).execute_plan(plan);
+  const at::Tensor x = torch::randn({kBatch, kWidth}), y = torch::randn({kBatch, kWidth});
+  std::vector<std::chrono::steady_clock::time_point> returned;  // when each call's losses were known
+  for (int i = 0; i < kWarmup + kMeasured + 1; ++i) {
+    model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
+    returned.push_back(std::chrono::steady_clock::now());
+    model.step([&] {
+      opt.step();
+      opt.zero_grad();
+    });
+  }
+  model.synchronize();
+  set_overlap_iterations(overlap_before);
+  const double measured_ms =
+      std::chrono::duration<double, std::milli>(returned[kWarmup + kMeasured] - returned[kWarmup]).count() / kMeasured;
+
+  LayerCosts costs = model.layer_costs();
+  const int64_t act_bytes = kBatch / kMicrobatches * kWidth * 4;
+  costs.activation_bytes.assign(fwd_us.size(), act_bytes);
+  SimOptions options;
+  options.set_num_devices(kDevices)
+      .set_num_microbatch(kMicrobatches)
+      .set_run_kind(RunKind::kFused)
+      .set_link_gbps(std::numeric_limits<double>::infinity())
+      .set_input_bytes(act_bytes)
+      .set_executor(SimExecutor::kCpu)
+      .set_copy_delay_ms(4.0)
+      .set_overlap(IterationOverlap::kAfterLosses)
+      .set_warmup_iterations(kWarmup)
+      .set_measured_iterations(kMeasured);
+  const SimResult sim = simulate_roundpipe(costs, plan, options);
+  std::printf("overlapped calibration: measured %.2f ms per iteration, predicted %.2f ms (%+.2f %%); "
+              "one iteration alone %.2f ms\n",
+              measured_ms, sim.iteration_ms, 100.0 * (sim.iteration_ms / measured_ms - 1), sim.single_iteration_ms);
+  EXPECT_NEAR(sim.iteration_ms / measured_ms, 1.0, 0.10) << "measured " << measured_ms << " ms, predicted "
+                                                          << sim.iteration_ms << " ms";
+  EXPECT_LT(measured_ms, 0.95 * sim.single_iteration_ms) << "the calls did not overlap";
+}
+
 }  // namespace
 }  // namespace roundpipe
