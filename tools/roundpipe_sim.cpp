@@ -10,7 +10,7 @@
 //   {"link_gbps": 25, "devices": [1, 2, 4, 8], "microbatches": "D+1",
 //    "run_kind": "fused", "warmup_iterations": 4, "measured_iterations": 0,
 //    "input_bytes": 0, "output_bytes": 0, "optimizer_ms": 0,
-//    "executor": "accelerator", "copy_delay_us": 0,
+//    "executor": "accelerator", "copy_delay_us": 0, "overlap": "full",
 //    "models": [{"name": "m", "plan": {"fwd": [[0, 2]], "bwd": [[2, 4], [0, 2]]},
 //                "layers": [{"fwd_ms": 1, "recompute_ms": 1, "bwd_ms": 2,
 //                            "param_bytes": 100, "activation_bytes": 10,
@@ -191,6 +191,13 @@ MicrobatchRule ParseMicrobatches(const std::string& text, const std::string& whe
   return r;
 }
 
+IterationOverlap ParseOverlap(const std::string& s, const std::string& where) {
+  if (s == "full") return IterationOverlap::kFull;
+  if (s == "after-losses") return IterationOverlap::kAfterLosses;
+  Fail(where + " is '" + s + "': use full (every iteration issued at once) or after-losses (as the engine with "
+       "set_overlap_iterations(true))");
+}
+
 SimExecutor ParseExecutor(const std::string& s, const std::string& where) {
   if (s == "accelerator") return SimExecutor::kAccelerator;
   if (s == "cpu") return SimExecutor::kCpu;
@@ -340,7 +347,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "roundpipe-sim: predicted throughput, speedup and bubble of RoundPipe on modeled devices, "
       "with GPipe and 1F1B over the same costs"};
-  std::string config, timings, devices, microbatches, run_kind, executor, model_name, plan = "auto";
+  std::string config, timings, devices, microbatches, run_kind, executor, overlap, model_name, plan = "auto";
   std::optional<double> link_gbps, optimizer_ms, copy_delay_us;
   std::optional<int64_t> warmup, measured;
   Settings s;
@@ -361,6 +368,9 @@ int main(int argc, char** argv) {
                  "host optimizer time per iteration, ms (default 0: not modeled)");
   app.add_option("--executor", executor,
                  "accelerator (GPUs, default) or cpu (CPU devices: compute runs on the worker)");
+  app.add_option("--overlap", overlap,
+                 "full (every iteration issued at once, default) or after-losses (the engine with "
+                 "set_overlap_iterations(true): the next call at the losses, one parameter copy)");
   app.add_option("--copy-delay-us", copy_delay_us,
                  "every copy starts this long after it is issued, us (CPU devices' "
                  "ROUNDPIPE_CPU_COPY_DELAY_US; default 0)");
@@ -424,6 +434,10 @@ int main(int argc, char** argv) {
       if (!doc["executor"].is_string()) Fail(path + ": executor must be a string: accelerator or cpu");
       o.executor = ParseExecutor(doc["executor"].get<std::string>(), path + ": executor");
     }
+    if (doc.contains("overlap")) {
+      if (!doc["overlap"].is_string()) Fail(path + ": overlap must be a string: full or after-losses");
+      o.overlap = ParseOverlap(doc["overlap"].get<std::string>(), path + ": overlap");
+    }
     if (doc.contains("copy_delay_us"))
       o.copy_delay_ms = Number(doc["copy_delay_us"], path + ": copy_delay_us") / 1e3;
     if (!devices.empty()) s.devices = ParseDevices(devices);
@@ -431,6 +445,7 @@ int main(int argc, char** argv) {
     s.plan = ParsePlan(plan);
     if (!run_kind.empty()) o.run_kind = ParseRunKind(run_kind, "--run-kind");
     if (!executor.empty()) o.executor = ParseExecutor(executor, "--executor");
+    if (!overlap.empty()) o.overlap = ParseOverlap(overlap, "--overlap");
     if (copy_delay_us) {
       if (!(*copy_delay_us >= 0) || !std::isfinite(*copy_delay_us))
         Fail("--copy-delay-us must be a finite number >= 0");
