@@ -77,9 +77,12 @@ int64_t peak_with_pending_downloads(int64_t layers) {
 TEST(DeviceMemory, PendingCopiesOfEarlierJobsAreBoundedByTheStageSlots) {
   const int64_t peak8 = peak_with_pending_downloads(8);
   const int64_t peak32 = peak_with_pending_downloads(32);
+  constexpr int64_t kMicrobatchBytes = 256 * 128 * 4;  // one microbatch's activation
   EXPECT_GT(peak8, 512 * 128 * 4);
-  EXPECT_LE(static_cast<double>(peak32), 1.1 * static_cast<double>(peak8))
-      << "peak bytes: 8 layers " << peak8 << ", 32 layers " << peak32;
+  // Unbounded, the peak would grow by a microbatch per stage (24 more here).
+  // Which pending copy completes first at the peak depends on the threads'
+  // timing, so one more may be live (seen once on a loaded machine).
+  EXPECT_LE(peak32, peak8 + kMicrobatchBytes) << "peak bytes: 8 layers " << peak8 << ", 32 layers " << peak32;
 }
 
 TEST(DeviceMemory, DevicesHoldNothingBetweenCalls) {
