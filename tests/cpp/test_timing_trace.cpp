@@ -431,23 +431,57 @@ struct TimedLayerImpl : torch::nn::Cloneable<TimedLayerImpl> {
 };
 TORCH_MODULE(TimedLayer);
 
-TEST(Simulator, PredictsARealRunsIterationTimeWithinTenPercent) {
-  // Three CPU devices whose copies complete 4 ms after they are issued, and
-  // layers of unequal, fixed times: fed the per-layer timings this run
-  // measured and its transfer sizes, the simulator (CPU executor, the same
-  // copy delay) must predict the run's iteration time within 10 %.
-  constexpr int64_t kWidth = 32, kBatch = 8, kMicrobatches = 4, kDevices = 3;
-  const std::vector<int64_t> fwd_us = {3000, 5000, 4000, 6000, 3000, 5000, 4000, 6000};
-  testing::CopyDelay delay(4000);
+// The calibration runs: three CPU devices whose copies complete 4 ms after
+// they are issued, layers of unequal, fixed times, 3 forward + fused + 3
+// backward stages, M = 4.
+constexpr int64_t kCalWidth = 32, kCalBatch = 8, kCalMicrobatches = 4, kCalDevices = 3;
+constexpr double kCalCopyDelayMs = 4.0;
+const std::vector<int64_t> kCalFwdUs = {3000, 5000, 4000, 6000, 3000, 5000, 4000, 6000};
+
+torch::nn::Sequential calibration_net() {
   torch::manual_seed(3);
   torch::nn::Sequential net;
-  for (int64_t us : fwd_us) net->push_back(TimedLayer(kWidth, us, 2 * us));
-  RoundPipe model(net, RoundPipeOptions().set_max_devices(kDevices));
+  for (int64_t us : kCalFwdUs) net->push_back(TimedLayer(kCalWidth, us, 2 * us));
+  return net;
+}
+
+ModelExecutePlan calibration_plan() {
   ModelExecutePlan plan;
   plan.fwd_plan = {{0, 2}, {2, 4}, {4, 6}};
   plan.bwd_plan = {{6, 8}, {4, 6}, {2, 4}, {0, 2}};
-  const RunConfig cfg = RunConfig().num_microbatch(kMicrobatches).execute_plan(plan);
-  const at::Tensor x = torch::randn({kBatch, kWidth}), y = torch::randn({kBatch, kWidth});
+  return plan;
+}
+
+// The simulator fed what `model` measured and the run's transfer sizes, on
+// the CPU executor with the run's copy delay.
+struct Calibrated {
+  LayerCosts costs;
+  SimOptions options;
+};
+Calibrated calibrated(const RoundPipe& model) {
+  Calibrated c;
+  c.costs = model.layer_costs();
+  const int64_t act_bytes = kCalBatch / kCalMicrobatches * kCalWidth * 4;  // fp32 [2, 32] per microbatch
+  c.costs.activation_bytes.assign(kCalFwdUs.size(), act_bytes);
+  c.options.set_num_devices(kCalDevices)
+      .set_num_microbatch(kCalMicrobatches)
+      .set_run_kind(RunKind::kFused)
+      .set_link_gbps(std::numeric_limits<double>::infinity())
+      .set_input_bytes(act_bytes)
+      .set_executor(SimExecutor::kCpu)
+      .set_copy_delay_ms(kCalCopyDelayMs);
+  return c;
+}
+
+TEST(Simulator, PredictsARealRunsIterationTimeWithinTenPercent) {
+  // Fed the per-layer timings this run measured and its transfer sizes, the
+  // simulator (CPU executor, the same copy delay) must predict the run's
+  // iteration time within 10 %.
+  testing::CopyDelay delay(static_cast<int64_t>(kCalCopyDelayMs * 1000));
+  RoundPipe model(calibration_net(), RoundPipeOptions().set_max_devices(kCalDevices));
+  const ModelExecutePlan plan = calibration_plan();
+  const RunConfig cfg = RunConfig().num_microbatch(kCalMicrobatches).execute_plan(plan);
+  const at::Tensor x = torch::randn({kCalBatch, kCalWidth}), y = torch::randn({kCalBatch, kCalWidth});
   double measured_ms = 1e300;  // the fastest iteration: the least disturbed by other processes
   for (int i = 0; i < 6; ++i) {
     const auto start = std::chrono::steady_clock::now();
@@ -456,22 +490,12 @@ TEST(Simulator, PredictsARealRunsIterationTimeWithinTenPercent) {
     if (i >= 2) measured_ms = std::min(measured_ms, ms);  // two warm-up iterations
   }
 
-  LayerCosts costs = model.layer_costs();
-  const int64_t act_bytes = kBatch / kMicrobatches * kWidth * 4;  // fp32 [2, 32] per microbatch
-  costs.activation_bytes.assign(fwd_us.size(), act_bytes);
-  SimOptions options;
-  options.set_num_devices(kDevices)
-      .set_num_microbatch(kMicrobatches)
-      .set_run_kind(RunKind::kFused)
-      .set_link_gbps(std::numeric_limits<double>::infinity())
-      .set_input_bytes(act_bytes)
-      .set_executor(SimExecutor::kCpu)
-      .set_copy_delay_ms(4.0);
-  const double predicted_ms = simulate_roundpipe(costs, plan, options).single_iteration_ms;
+  Calibrated sim = calibrated(model);
+  const double predicted_ms = simulate_roundpipe(sim.costs, plan, sim.options).single_iteration_ms;
   // The same costs on an accelerator's executor without copy delays, shown
   // for comparison: what the calibration adds.
-  options.set_executor(SimExecutor::kAccelerator).set_copy_delay_ms(0);
-  const double accelerator_ms = simulate_roundpipe(costs, plan, options).single_iteration_ms;
+  sim.options.set_executor(SimExecutor::kAccelerator).set_copy_delay_ms(0);
+  const double accelerator_ms = simulate_roundpipe(sim.costs, plan, sim.options).single_iteration_ms;
   std::printf("calibration: measured %.2f ms per iteration, predicted %.2f ms (%+.2f %%); "
               "without the CPU executor and copy delay %.2f ms\n",
               measured_ms, predicted_ms, 100.0 * (predicted_ms / measured_ms - 1), accelerator_ms);
@@ -484,21 +508,15 @@ TEST(Simulator, PredictsAnOverlappedRunsIterationTimeWithinTenPercent) {
   // kAfterLosses lifecycle (the next call issued at the losses, each stage
   // upload after the previous call's last upload of its layers) against the
   // run's steady-state time per iteration.
-  constexpr int64_t kWidth = 32, kBatch = 8, kMicrobatches = 4, kDevices = 3, kWarmup = 3, kMeasured = 6;
-  const std::vector<int64_t> fwd_us = {3000, 5000, 4000, 6000, 3000, 5000, 4000, 6000};
-  testing::CopyDelay delay(4000);
+  constexpr int64_t kWarmup = 3, kMeasured = 6;
+  testing::CopyDelay delay(static_cast<int64_t>(kCalCopyDelayMs * 1000));
   const bool overlap_before = get_overlap_iterations();
   set_overlap_iterations(true);
-  torch::manual_seed(3);
-  torch::nn::Sequential net;
-  for (int64_t us : fwd_us) net->push_back(TimedLayer(kWidth, us, 2 * us));
-  RoundPipe model(net, RoundPipeOptions().set_max_devices(kDevices));
+  RoundPipe model(calibration_net(), RoundPipeOptions().set_max_devices(kCalDevices));
   torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(1e-3));
-  ModelExecutePlan plan;
-  plan.fwd_plan = {{0, 2}, {2, 4}, {4, 6}};
-  plan.bwd_plan = {{6, 8}, {4, 6}, {2, 4}, {0, 2}};
-  const RunConfig cfg = RunConfig().num_microbatch(kMicrobatches).execute_plan(plan);
-  const at::Tensor x = torch::randn({kBatch, kWidth}), y = torch::randn({kBatch, kWidth});
+  const ModelExecutePlan plan = calibration_plan();
+  const RunConfig cfg = RunConfig().num_microbatch(kCalMicrobatches).execute_plan(plan);
+  const at::Tensor x = torch::randn({kCalBatch, kCalWidth}), y = torch::randn({kCalBatch, kCalWidth});
   std::vector<std::chrono::steady_clock::time_point> returned;  // when each call's losses were known
   for (int i = 0; i < kWarmup + kMeasured + 1; ++i) {
     model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
@@ -513,27 +531,15 @@ TEST(Simulator, PredictsAnOverlappedRunsIterationTimeWithinTenPercent) {
   const double measured_ms =
       std::chrono::duration<double, std::milli>(returned[kWarmup + kMeasured] - returned[kWarmup]).count() / kMeasured;
 
-  LayerCosts costs = model.layer_costs();
-  const int64_t act_bytes = kBatch / kMicrobatches * kWidth * 4;
-  costs.activation_bytes.assign(fwd_us.size(), act_bytes);
-  SimOptions options;
-  options.set_num_devices(kDevices)
-      .set_num_microbatch(kMicrobatches)
-      .set_run_kind(RunKind::kFused)
-      .set_link_gbps(std::numeric_limits<double>::infinity())
-      .set_input_bytes(act_bytes)
-      .set_executor(SimExecutor::kCpu)
-      .set_copy_delay_ms(4.0)
-      .set_overlap(IterationOverlap::kAfterLosses)
-      .set_warmup_iterations(kWarmup)
-      .set_measured_iterations(kMeasured);
-  const SimResult sim = simulate_roundpipe(costs, plan, options);
+  Calibrated sim = calibrated(model);
+  sim.options.set_overlap(IterationOverlap::kAfterLosses).set_warmup_iterations(kWarmup).set_measured_iterations(kMeasured);
+  const SimResult r = simulate_roundpipe(sim.costs, plan, sim.options);
   std::printf("overlapped calibration: measured %.2f ms per iteration, predicted %.2f ms (%+.2f %%); "
               "one iteration alone %.2f ms\n",
-              measured_ms, sim.iteration_ms, 100.0 * (sim.iteration_ms / measured_ms - 1), sim.single_iteration_ms);
-  EXPECT_NEAR(sim.iteration_ms / measured_ms, 1.0, 0.10) << "measured " << measured_ms << " ms, predicted "
-                                                          << sim.iteration_ms << " ms";
-  EXPECT_LT(measured_ms, 0.95 * sim.single_iteration_ms) << "the calls did not overlap";
+              measured_ms, r.iteration_ms, 100.0 * (r.iteration_ms / measured_ms - 1), r.single_iteration_ms);
+  EXPECT_NEAR(r.iteration_ms / measured_ms, 1.0, 0.10) << "measured " << measured_ms << " ms, predicted "
+                                                        << r.iteration_ms << " ms";
+  EXPECT_LT(measured_ms, 0.95 * r.single_iteration_ms) << "the calls did not overlap";
 }
 
 }  // namespace
