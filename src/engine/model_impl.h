@@ -204,7 +204,9 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   void submit(const std::shared_ptr<Call>& call) {
     record_calls_finished_by_steps();
     DevicePool& pool = DevicePool::instance();
-    round_robin().assign(call->jobs, num_devices);
+    // Round-robin (no predicted times): predicted-start assignment is not
+    // used by the engine yet (docs/design/engine.md, B4).
+    dispatcher().assign(call->jobs, num_devices);
     call->programs = make_lane_programs(call->jobs, call->num_microbatch);
     call->find_last_readers();
     std::vector<int64_t> devices;
@@ -301,7 +303,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   bool is_training() const { return layers.front()->is_training(); }
 
   // The device assignment shared by every model of the process.
-  static RoundRobin& round_robin();
+  static Dispatcher& dispatcher();
 
   // ---- optimizer side (optimizer_side.cpp) ----
   void make_optimizer_copies(c10::optional<at::ScalarType> optim_dtype);

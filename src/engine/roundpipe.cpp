@@ -129,8 +129,8 @@ std::shared_ptr<RoundPipe::Impl> RoundPipe::Impl::create(std::vector<std::shared
                                [](Impl* impl) { destroy_where_allowed([impl] { delete impl; }); });
 }
 
-RoundRobin& RoundPipe::Impl::round_robin() {
-  static RoundRobin instance(DevicePool::instance().size());
+Dispatcher& RoundPipe::Impl::dispatcher() {
+  static Dispatcher instance(DevicePool::instance().size());
   return instance;
 }
 

@@ -316,7 +316,7 @@ class RoundPipeSim {
         plan_(plan),
         o_(o),
         tl_(o.num_devices, o.link_gbps, o.copy_delay_ms),
-        rr_(o.num_devices),
+        dispatcher_(o.num_devices),
         host_(o.num_devices, kNone),
         slots_(o.num_devices) {}
 
@@ -372,7 +372,13 @@ class RoundPipeSim {
       CallState call;
       call.kind = kind;
       call.jobs = make_jobs(plan_, kind);
-      rr_.assign(call.jobs, o_.num_devices);
+      if (o_.assignment == SimAssignment::kRoundRobin) {
+        dispatcher_.assign(call.jobs, o_.num_devices);
+      } else {
+        dispatcher_.assign(call.jobs, o_.num_devices, job_times_ms(call.jobs, c_), m,
+                           o_.overlap == IterationOverlap::kAfterLosses ? CallIssue::kAtLosses
+                                                                        : CallIssue::kAtOnce);
+      }
       call.programs = make_lane_programs(call.jobs, m);
       call.task.resize(call.jobs.size());
       call.out.assign(call.jobs.size(), std::vector<Value>(m));
@@ -596,7 +602,7 @@ class RoundPipeSim {
   const ModelExecutePlan& plan_;
   const SimOptions& o_;
   Timeline tl_;
-  RoundRobin rr_;
+  Dispatcher dispatcher_;
   std::vector<int> host_;     // [device]: its worker's last slot wait
   std::vector<Slots> slots_;  // [device]
   std::vector<int> steps_;    // [iteration]: optimizer steps

@@ -1,5 +1,5 @@
 // The scheduler simulator: predicts how a plan runs on D modeled devices by
-// driving the real scheduler (make_jobs, RoundRobin) on a virtual clock, and
+// driving the real scheduler (make_jobs, Dispatcher) on a virtual clock, and
 // runs GPipe and 1F1B over the same costs with the same event engine, so that
 // the comparison is like for like. Deterministic: equal inputs give equal
 // results, bit for bit.
@@ -17,7 +17,8 @@
 // engine's.
 //  - Each iteration is one call per pass: kFused: forward_backward(); kTrain:
 //    forward() then backward(); kInfer: forward(). Its jobs come from
-//    make_jobs() and get devices from one RoundRobin over the D devices,
+//    make_jobs() and get devices from one Dispatcher over the D devices
+//    (round-robin as in the engine, or by predicted start: assignment),
 //    shared by all iterations; make_lane_programs() gives each job its
 //    program. With IterationOverlap::kFull (default) the host submits every
 //    iteration at once, so each device's FIFO holds its jobs of all
@@ -100,6 +101,12 @@ enum class IterationOverlap {
   kAfterLosses,
 };
 
+// How jobs get devices.
+enum class SimAssignment {
+  kRoundRobin,      // the Dispatcher without times: round-robin, as the engine assigns
+  kPredictedStart,  // the Dispatcher fed the simulated costs (not in the engine yet)
+};
+
 struct SimOptions {
   // Devices D, used round-robin. >= 1.
   int64_t num_devices = 1;
@@ -117,6 +124,7 @@ struct SimOptions {
   int64_t output_bytes = 0;
   // Only for kFused; kFull otherwise.
   IterationOverlap overlap = IterationOverlap::kFull;
+  SimAssignment assignment = SimAssignment::kRoundRobin;
   // The devices' executor (see SimExecutor).
   SimExecutor executor = SimExecutor::kAccelerator;
   // Every copy starts no earlier than this long after its worker issued it,
@@ -165,6 +173,10 @@ struct SimOptions {
   }
   SimOptions& set_overlap(IterationOverlap v) {
     overlap = v;
+    return *this;
+  }
+  SimOptions& set_assignment(SimAssignment v) {
+    assignment = v;
     return *this;
   }
   SimOptions& set_executor(SimExecutor v) {

@@ -13,7 +13,7 @@ namespace {
 // A fused call over `plan`'s stages, devices assigned round-robin from 0.
 std::vector<JobSpec> fused_jobs(const ModelExecutePlan& plan, int64_t devices) {
   std::vector<JobSpec> jobs = make_jobs(plan, CallKind::kFused);
-  RoundRobin(devices).assign(jobs, devices);
+  Dispatcher(devices).assign(jobs, devices);
   return jobs;
 }
 
@@ -110,8 +110,8 @@ TEST(LaneProgram, ForwardAndBackwardJobsDownloadWhatTheyUpdate) {
   ModelExecutePlan plan = two_by_two();
   std::vector<JobSpec> fwd = make_jobs(plan, CallKind::kForward);
   std::vector<JobSpec> bwd = make_jobs(plan, CallKind::kBackward);
-  RoundRobin(2).assign(fwd, 2);
-  RoundRobin(2).assign(bwd, 2);
+  Dispatcher(2).assign(fwd, 2);
+  Dispatcher(2).assign(bwd, 2);
   auto kinds = [](const JobProgram& p) {
     std::map<OpKind, int> n;
     for (const LaneOp& op : p.ops) ++n[op.kind];

@@ -162,12 +162,19 @@ std::vector<std::vector<JobSpec>> Calls(const Case& s, int64_t iterations) {
                                 : s.options.run_kind == RunKind::kTrain
                                     ? std::vector<CallKind>{CallKind::kForward, CallKind::kBackward}
                                     : std::vector<CallKind>{CallKind::kForward};
-  RoundRobin rr(s.options.num_devices);
+  Dispatcher dispatcher(s.options.num_devices);
   std::vector<std::vector<JobSpec>> calls;
   for (int64_t it = 0; it < iterations; ++it) {
     for (CallKind k : kinds) {
       calls.push_back(make_jobs(s.plan, k));
-      rr.assign(calls.back(), s.options.num_devices);
+      if (s.options.assignment == SimAssignment::kRoundRobin) {
+        dispatcher.assign(calls.back(), s.options.num_devices);
+      } else {
+        dispatcher.assign(calls.back(), s.options.num_devices, job_times_ms(calls.back(), s.costs),
+                          s.options.num_microbatch,
+                          s.options.overlap == IterationOverlap::kAfterLosses ? CallIssue::kAtLosses
+                                                                              : CallIssue::kAtOnce);
+      }
     }
   }
   return calls;
@@ -514,6 +521,27 @@ TEST(SimulatorErrors, ClearMessages) {
               simulate_pipeline(PipelineSchedule::kGPipe, EqualStages(2, 1, 1), 0, 25);
             }).find("num_microbatch"),
             std::string::npos);
+}
+
+TEST(SimulatorRoundPipe, PredictedStartAssignmentRunsEveryJobWhereTheDispatcherPutIt) {
+  // The FIFO test above covers round-robin; here the Dispatcher is fed the
+  // simulated costs, and the devices still run what it assigned, in order.
+  for (Case s : Cases()) {
+    s.options.set_assignment(SimAssignment::kPredictedStart);
+    SimResult r = simulate_roundpipe(s.costs, s.plan, s.options);
+    const std::vector<std::vector<JobSpec>> calls = Calls(s, r.iterations);
+    for (const TraceEvent& e : r.events) {
+      if (e.kind != "compute") continue;
+      const std::vector<JobSpec>& jobs = calls.at(e.call);
+      bool found = false;
+      for (const JobSpec& j : jobs) {
+        found = found || (job_kind_name(j.kind) == e.job && j.stage == e.stage && j.device == e.device);
+      }
+      EXPECT_TRUE(found) << e.name << " of call " << e.call << " on device " << e.device;
+    }
+    EXPECT_GE(r.bubble, 0);
+    EXPECT_LT(r.bubble, 1);
+  }
 }
 
 }  // namespace
