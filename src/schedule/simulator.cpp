@@ -372,13 +372,7 @@ class RoundPipeSim {
       CallState call;
       call.kind = kind;
       call.jobs = make_jobs(plan_, kind);
-      if (o_.assignment == SimAssignment::kRoundRobin) {
-        dispatcher_.assign(call.jobs, o_.num_devices);
-      } else {
-        dispatcher_.assign(call.jobs, o_.num_devices, job_times_ms(call.jobs, c_), m,
-                           o_.overlap == IterationOverlap::kAfterLosses ? CallIssue::kAtLosses
-                                                                        : CallIssue::kAtOnce);
-      }
+      assign_devices(dispatcher_, call.jobs, c_, o_);
       call.programs = make_lane_programs(call.jobs, m);
       call.task.resize(call.jobs.size());
       call.out.assign(call.jobs.size(), std::vector<Value>(m));
@@ -658,6 +652,17 @@ void CheckCosts(const StageCosts& s, int64_t num_microbatch, double link_gbps) {
 }
 
 }  // namespace
+
+void assign_devices(Dispatcher& dispatcher, std::vector<JobSpec>& jobs, const LayerCosts& costs,
+                    const SimOptions& options) {
+  if (options.assignment == SimAssignment::kRoundRobin) {
+    dispatcher.assign(jobs, options.num_devices);
+    return;
+  }
+  dispatcher.assign(jobs, options.num_devices, job_times_ms(jobs, costs), options.num_microbatch,
+                    options.overlap == IterationOverlap::kAfterLosses ? CallIssue::kAtLosses
+                                                                      : CallIssue::kAtOnce);
+}
 
 SimResult simulate_roundpipe(const LayerCosts& costs, const ModelExecutePlan& plan,
                              const SimOptions& options) {

@@ -74,6 +74,7 @@
 #include <string>
 #include <vector>
 
+#include "schedule/scheduler.h"
 #include "schedule/trace.h"
 
 namespace roundpipe {
@@ -238,6 +239,11 @@ struct SimResult {
   // transfers are not tasks.
   std::vector<TraceEvent> events;
 };
+
+// Gives one call's `jobs` their devices from `dispatcher` as the simulator
+// does under `options` (assignment, overlap, microbatches), with `costs`.
+void assign_devices(Dispatcher& dispatcher, std::vector<JobSpec>& jobs, const LayerCosts& costs,
+                    const SimOptions& options);
 
 // Simulates `plan` for a model with `costs` (see the top of this file).
 // Throws c10::ValueError, saying what is wrong and how to fix it, when an

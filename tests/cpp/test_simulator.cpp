@@ -167,14 +167,7 @@ std::vector<std::vector<JobSpec>> Calls(const Case& s, int64_t iterations) {
   for (int64_t it = 0; it < iterations; ++it) {
     for (CallKind k : kinds) {
       calls.push_back(make_jobs(s.plan, k));
-      if (s.options.assignment == SimAssignment::kRoundRobin) {
-        dispatcher.assign(calls.back(), s.options.num_devices);
-      } else {
-        dispatcher.assign(calls.back(), s.options.num_devices, job_times_ms(calls.back(), s.costs),
-                          s.options.num_microbatch,
-                          s.options.overlap == IterationOverlap::kAfterLosses ? CallIssue::kAtLosses
-                                                                              : CallIssue::kAtOnce);
-      }
+      assign_devices(dispatcher, calls.back(), s.costs, s.options);
     }
   }
   return calls;
