@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -87,13 +88,17 @@ TEST(Soak, ThousandAsyncStepsKeepHostAndDeviceMemoryFlat) {
               static_cast<long long>(dev0_end.current), static_cast<long long>(dev1_end.current));
   EXPECT_LT(host_growth, 0.01);
   // Devices hold nothing between calls (after synchronize), and their peaks do
-  // not creep.
+  // not creep. With asynchronous lanes a peak depends on which allocations
+  // happen to overlap, and a call's jobs alternate between the two devices
+  // (five jobs on two), so the reference is the larger peak of the first
+  // window; growth of 20 bytes a step would exceed the 5 % allowed.
   EXPECT_EQ(dev0_warm.current, 0);
   EXPECT_EQ(dev1_warm.current, 0);
   EXPECT_EQ(dev0_end.current, 0);
   EXPECT_EQ(dev1_end.current, 0);
-  EXPECT_LE(dev0_end.peak, dev0_warm.peak + dev0_warm.peak / 100);
-  EXPECT_LE(dev1_end.peak, dev1_warm.peak + dev1_warm.peak / 100);
+  const int64_t warm_peak = std::max(dev0_warm.peak, dev1_warm.peak);
+  EXPECT_LE(dev0_end.peak, warm_peak + warm_peak / 20);
+  EXPECT_LE(dev1_end.peak, warm_peak + warm_peak / 20);
 }
 
 }  // namespace
