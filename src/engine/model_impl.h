@@ -128,8 +128,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   LayerCosts layer_costs() const {
     LayerCosts costs;
     costs.param_bytes = store->layer_param_bytes();
-    bool timed = true;
-    for (int64_t l = 0; l < num_layers() && timed; ++l) timed = timer.estimate(l, LayerAction::kForward).has_value();
+    const bool timed = layers_timed();
     for (int64_t l = 0; l < num_layers(); ++l) {
       const double size = static_cast<double>(costs.param_bytes[l]);
       const double fwd = timed ? *timer.estimate(l, LayerAction::kForward) : size;
@@ -138,6 +137,14 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       costs.bwd_ms.push_back(timed ? timer.estimate(l, LayerAction::kBackward).value_or(2 * fwd) : 2 * size);
     }
     return costs;
+  }
+
+  // Every layer has a forward time estimate.
+  bool layers_timed() const {
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      if (!timer.estimate(l, LayerAction::kForward).has_value()) return false;
+    }
+    return true;
   }
 
   int64_t microbatches_for(const RunConfig& cfg, const std::vector<c10::IValue>& args,
@@ -196,6 +203,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // still in flight is finished first.
   void execute(const std::shared_ptr<Call>& call) {
     finish_in_flight();
+    last_call_overlaps = false;
     submit(call);
     finish(*call);
   }
@@ -204,9 +212,16 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   void submit(const std::shared_ptr<Call>& call) {
     record_calls_finished_by_steps();
     DevicePool& pool = DevicePool::instance();
-    // Round-robin (no predicted times): predicted-start assignment is not
-    // used by the engine yet (docs/design/engine.md, B4).
-    dispatcher().assign(call->jobs, num_devices);
+    // Each job goes to the device on which it is predicted to start first,
+    // from the timer's estimates (scheduler.h); the previous call's jobs
+    // still run if it returned at its losses (iteration overlap). Until every
+    // layer is timed, round-robin: the planner's stand-in for time
+    // (parameter bytes) is in other units than the ledger's milliseconds,
+    // which the pool's other models share.
+    std::vector<double> job_ms;
+    if (layers_timed()) job_ms = job_times_ms(call->jobs, layer_costs());
+    dispatcher().assign(call->jobs, num_devices, job_ms, call->num_microbatch,
+                        last_call_overlaps ? CallIssue::kAtLosses : CallIssue::kAtEnd);
     call->programs = make_lane_programs(call->jobs, call->num_microbatch);
     call->find_last_readers();
     std::vector<int64_t> devices;
@@ -332,6 +347,9 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // A forward_backward whose backward stages still run (iteration overlap;
   // user thread). A step takes it to the optimizer thread.
   std::shared_ptr<Call> in_flight;
+  // The last call submitted returned at its losses (user thread): the
+  // dispatcher then predicts the next call to start with its backward stages.
+  bool last_call_overlaps = false;
   bool has_buffers = false;  // some layer has buffers: calls do not overlap
 
   std::mutex optim_mu;

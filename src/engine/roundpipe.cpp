@@ -270,6 +270,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   // Submitted before the call in flight is finished: its jobs queue behind
   // that call's last backward stages.
   m.submit(call);
+  m.last_call_overlaps = overlap;
   try {
     m.finish_in_flight();
   } catch (...) {
@@ -279,7 +280,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
     m.finish(*call);  // rethrows a failure
   } else if (!call->wait_losses()) {
     m.finish(*call);  // rethrows the failure
-    overlap = false;
+    overlap = m.last_call_overlaps = false;
   }
   // The loss and the merged outputs before anything is applied: a merge spec
   // that does not fit (or an output device that cannot be reached) changes

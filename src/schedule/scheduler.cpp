@@ -62,6 +62,15 @@ void Dispatcher::assign(std::vector<JobSpec>& jobs, int64_t num_devices,
   TORCH_CHECK_VALUE(num_microbatch >= 1, "Dispatcher: num_microbatch must be >= 1, got ",
                     num_microbatch);
   std::lock_guard<std::mutex> lock(mu_);
+  if (std::all_of(job_ms.begin(), job_ms.end(), [](double t) { return t == 0; })) {
+    // Nothing known: round-robin. (Through the ledger, jobs of time 0 would
+    // all tie on the device that became free last.)
+    for (JobSpec& job : jobs) {
+      job.device = next_ % num_devices;
+      next_ = job.device + 1;
+    }
+    return;
+  }
   const double ready = issue == CallIssue::kAtOnce     ? issued_ms_
                        : issue == CallIssue::kAtLosses ? losses_ms_
                                                        : end_ms_;
@@ -70,7 +79,7 @@ void Dispatcher::assign(std::vector<JobSpec>& jobs, int64_t num_devices,
   std::vector<double> before(num_microbatch, ready);
   double losses = -1, end = ready;
   for (size_t i = 0; i < jobs.size(); ++i) {
-    const double t = job_ms.empty() ? 0.0 : job_ms[i];
+    const double t = job_ms[i];
     int64_t best = -1;
     double best_start = 0;
     for (int64_t k = 0; k < num_devices; ++k) {

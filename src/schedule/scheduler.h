@@ -66,8 +66,9 @@ enum class CallIssue {
 // jobs); then the next device in rotation. The device then is busy until the
 // job's last microbatch is predicted to end.
 //
-// With all times 0 (nothing known) every device ties and the assignment is
-// round-robin. Predictions only choose devices: results never depend on
+// Without times (or all 0: nothing known) the assignment is round-robin,
+// continued from the device after the last job's, and the ledger is left as
+// it was. Predictions only choose devices: results never depend on
 // them, and a device runs its jobs in the order they were assigned (FIFO).
 class Dispatcher {
  public:
@@ -80,7 +81,7 @@ class Dispatcher {
   // first job is ready. 1 <= num_devices <= pool size. Else c10::ValueError.
   void assign(std::vector<JobSpec>& jobs, int64_t num_devices, const std::vector<double>& job_ms,
               int64_t num_microbatch, CallIssue issue);
-  // Round-robin: all times 0.
+  // Round-robin: no times.
   void assign(std::vector<JobSpec>& jobs, int64_t num_devices) {
     assign(jobs, num_devices, {}, 1, CallIssue::kAtEnd);
   }

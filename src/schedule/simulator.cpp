@@ -372,7 +372,7 @@ class RoundPipeSim {
       CallState call;
       call.kind = kind;
       call.jobs = make_jobs(plan_, kind);
-      assign_devices(dispatcher_, call.jobs, c_, o_);
+      assign_devices(dispatcher_, call.jobs, c_, o_, call_);
       call.programs = make_lane_programs(call.jobs, m);
       call.task.resize(call.jobs.size());
       call.out.assign(call.jobs.size(), std::vector<Value>(m));
@@ -654,7 +654,22 @@ void CheckCosts(const StageCosts& s, int64_t num_microbatch, double link_gbps) {
 }  // namespace
 
 void assign_devices(Dispatcher& dispatcher, std::vector<JobSpec>& jobs, const LayerCosts& costs,
-                    const SimOptions& options) {
+                    const SimOptions& options, int64_t call) {
+  if (options.assignment == SimAssignment::kGiven) {
+    TORCH_CHECK_VALUE(!options.given_devices.empty(),
+                      "simulator: assignment kGiven needs given_devices, one device list per call");
+    const std::vector<int64_t>& given =
+        options.given_devices[static_cast<size_t>(call) % options.given_devices.size()];
+    TORCH_CHECK_VALUE(given.size() == jobs.size(), "simulator: given_devices for call ", call, " has ",
+                      given.size(), " devices for ", jobs.size(), " jobs; give one per job");
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      TORCH_CHECK_VALUE(given[j] >= 0 && given[j] < options.num_devices, "simulator: given_devices for call ",
+                        call, " puts job ", j, " on device ", given[j], "; devices are 0..",
+                        options.num_devices - 1);
+      jobs[j].device = given[j];
+    }
+    return;
+  }
   if (options.assignment == SimAssignment::kRoundRobin) {
     dispatcher.assign(jobs, options.num_devices);
     return;

@@ -18,8 +18,9 @@
 //  - Each iteration is one call per pass: kFused: forward_backward(); kTrain:
 //    forward() then backward(); kInfer: forward(). Its jobs come from
 //    make_jobs() and get devices from one Dispatcher over the D devices
-//    (round-robin as in the engine, or by predicted start: assignment),
-//    shared by all iterations; make_lane_programs() gives each job its
+//    (by predicted start from the costs, as the engine assigns from its
+//    estimates, or round-robin: SimOptions::assignment), shared by all
+//    iterations; make_lane_programs() gives each job its
 //    program. With IterationOverlap::kFull (default) the host submits every
 //    iteration at once, so each device's FIFO holds its jobs of all
 //    iterations in submission order; kAfterLosses is what the engine does
@@ -104,12 +105,19 @@ enum class IterationOverlap {
 
 // How jobs get devices.
 enum class SimAssignment {
-  kRoundRobin,      // the Dispatcher without times: round-robin, as the engine assigns
-  kPredictedStart,  // the Dispatcher fed the simulated costs (not in the engine yet)
+  // The Dispatcher fed the simulated costs, as the engine feeds it its
+  // timer's estimates: each job where it is predicted to start first.
+  kPredictedStart,
+  // The Dispatcher without times: round-robin (the engine's assignment
+  // before every layer is timed).
+  kRoundRobin,
+  // SimOptions::given_devices: replays an assignment, e.g. a real run's
+  // (from its trace).
+  kGiven,
 };
 
 struct SimOptions {
-  // Devices D, used round-robin. >= 1.
+  // Devices D. >= 1.
   int64_t num_devices = 1;
   // Microbatches M per iteration. >= 1.
   int64_t num_microbatch = 1;
@@ -125,7 +133,10 @@ struct SimOptions {
   int64_t output_bytes = 0;
   // Only for kFused; kFull otherwise.
   IterationOverlap overlap = IterationOverlap::kFull;
-  SimAssignment assignment = SimAssignment::kRoundRobin;
+  SimAssignment assignment = SimAssignment::kPredictedStart;
+  // For kGiven: [call][job] the device of each job of a call, jobs in
+  // make_jobs order; call k of the run uses entry k modulo the size.
+  std::vector<std::vector<int64_t>> given_devices;
   // The devices' executor (see SimExecutor).
   SimExecutor executor = SimExecutor::kAccelerator;
   // Every copy starts no earlier than this long after its worker issued it,
@@ -178,6 +189,10 @@ struct SimOptions {
   }
   SimOptions& set_assignment(SimAssignment v) {
     assignment = v;
+    return *this;
+  }
+  SimOptions& set_given_devices(std::vector<std::vector<int64_t>> v) {
+    given_devices = std::move(v);
     return *this;
   }
   SimOptions& set_executor(SimExecutor v) {
@@ -240,10 +255,12 @@ struct SimResult {
   std::vector<TraceEvent> events;
 };
 
-// Gives one call's `jobs` their devices from `dispatcher` as the simulator
-// does under `options` (assignment, overlap, microbatches), with `costs`.
+// Gives the `jobs` of the run's call number `call` their devices as the
+// simulator does under `options` (assignment, overlap, microbatches): from
+// `dispatcher` fed `costs`, or from options.given_devices. Throws
+// c10::ValueError when a given assignment does not fit the call.
 void assign_devices(Dispatcher& dispatcher, std::vector<JobSpec>& jobs, const LayerCosts& costs,
-                    const SimOptions& options);
+                    const SimOptions& options, int64_t call);
 
 // Simulates `plan` for a model with `costs` (see the top of this file).
 // Throws c10::ValueError, saying what is wrong and how to fix it, when an

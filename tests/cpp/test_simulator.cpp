@@ -167,7 +167,7 @@ std::vector<std::vector<JobSpec>> Calls(const Case& s, int64_t iterations) {
   for (int64_t it = 0; it < iterations; ++it) {
     for (CallKind k : kinds) {
       calls.push_back(make_jobs(s.plan, k));
-      assign_devices(dispatcher, calls.back(), s.costs, s.options);
+      assign_devices(dispatcher, calls.back(), s.costs, s.options, static_cast<int64_t>(calls.size()) - 1);
     }
   }
   return calls;
@@ -338,18 +338,39 @@ TEST(SimulatorRoundPipe, OneDeviceWithFreeTransfersHasNoBubble) {
 }
 
 TEST(SimulatorRoundPipe, ChainedStagesPassDataAcrossDevices) {
-  // Two one-layer forward stages on two devices, 10 MB hand-off at 10 GB/s:
-  // 1 ms down and 1 ms up between the stages.
+  // Three one-layer forward stages on three devices (round-robin), 10 MB
+  // hand-off at 10 GB/s: 1 ms down and 1 ms up between the stages.
   LayerCosts c = EqualLayers(3, 0, 10000000);
   ModelExecutePlan plan;
   plan.fwd_plan = {{0, 1}, {1, 2}, {2, 3}};
-  SimResult r = simulate_roundpipe(c, plan,
-                                   SimOptions()
-                                       .set_num_devices(3)
-                                       .set_num_microbatch(1)
-                                       .set_run_kind(RunKind::kInfer)
-                                       .set_link_gbps(10));
-  EXPECT_DOUBLE_EQ(r.single_iteration_ms, 1 + 2 + 1 + 2 + 1);
+  SimOptions options = SimOptions()
+                           .set_num_devices(3)
+                           .set_num_microbatch(1)
+                           .set_run_kind(RunKind::kInfer)
+                           .set_link_gbps(10)
+                           .set_assignment(SimAssignment::kRoundRobin);
+  EXPECT_DOUBLE_EQ(simulate_roundpipe(c, plan, options).single_iteration_ms, 1 + 2 + 1 + 2 + 1);
+  // By predicted start, with one microbatch each stage can start on the
+  // device that just ran the stage before it (where it became free last):
+  // no hand-off at all.
+  options.set_assignment(SimAssignment::kPredictedStart);
+  EXPECT_DOUBLE_EQ(simulate_roundpipe(c, plan, options).single_iteration_ms, 1 + 1 + 1);
+  // A given assignment is replayed: stages 0 and 1 on device 2, stage 2 on
+  // device 0: one hand-off.
+  options.set_assignment(SimAssignment::kGiven).set_given_devices({{2, 2, 0}});
+  const SimResult given = simulate_roundpipe(c, plan, options);
+  EXPECT_DOUBLE_EQ(given.single_iteration_ms, 1 + 1 + 2 + 1);
+  for (const TraceEvent& e : given.events) {
+    if (e.kind == "compute") {
+      EXPECT_EQ(e.device, e.stage == 2 ? 0 : 2) << e.name;
+    }
+  }
+  options.set_given_devices({{0, 1}});
+  EXPECT_THROW(simulate_roundpipe(c, plan, options), c10::ValueError);
+  options.set_given_devices({{0, 1, 3}});
+  EXPECT_THROW(simulate_roundpipe(c, plan, options), c10::ValueError);
+  options.set_given_devices({});
+  EXPECT_THROW(simulate_roundpipe(c, plan, options), c10::ValueError);
 }
 
 TEST(SimulatorRoundPipe, CpuExecutorIssuesAfterEachComputeAndCopiesWaitOutTheirDelay) {

@@ -342,8 +342,6 @@ TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsAndStageUploadsPerDevice) {
   const int64_t iterations = 3;
   TracedRun run = traced_run(path, iterations);
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> real;
-  int64_t first_device = -1;
-  double first_ts = 1e300;
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> real_uploads;
   for (const auto& e : run.events) {
     const auto& a = e.at("args");
@@ -355,10 +353,6 @@ TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsAndStageUploadsPerDevice) {
     if (e.at("cat") != "compute") continue;
     real.emplace_back(device, a.at("call").get<int64_t>(), a.at("job").get<std::string>(),
                       a.at("stage").get<int64_t>(), a.at("microbatch").get<int64_t>(), e.at("ts").get<double>());
-    if (e.at("ts").get<double>() < first_ts) {
-      first_ts = e.at("ts").get<double>();
-      first_device = device;
-    }
   }
   // The simulator, fed with this run's measured costs (a model with the same
   // layers, timed by the same kind of run).
@@ -368,16 +362,24 @@ TEST(Simulator, AgreesWithARealRunOnTheOrderOfJobsAndStageUploadsPerDevice) {
   for (int i = 0; i < 3; ++i) {
     timed.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(), false, cfg);
   }
+  // The devices the run gave its jobs: the engine's dispatcher decided from
+  // its own estimates at each call (and round-robin from earlier calls of
+  // the process before they existed), which the simulator replays.
+  const int64_t num_fwd = static_cast<int64_t>(fused_plan().fwd_plan.size());
+  std::vector<std::vector<int64_t>> given(iterations, std::vector<int64_t>(fused_plan().bwd_plan.size() + num_fwd, -1));
+  for (const auto& [device, call, job, stage, mb, ts] : real) {
+    const int64_t index = job == "forward" ? stage : num_fwd + stage;  // make_jobs order
+    given.at(call).at(index) = device;
+  }
   SimOptions options;
   options.set_num_devices(2).set_num_microbatch(3).set_run_kind(RunKind::kFused);
+  options.set_assignment(SimAssignment::kGiven).set_given_devices(given);
   SimResult sim = simulate_roundpipe(timed.layer_costs(), fused_plan(), options);
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> predicted;
   std::vector<std::tuple<int64_t, int64_t, std::string, int64_t, int64_t, double>> predicted_uploads;
   for (const TraceEvent& e : sim.events) {
     if (e.call >= iterations) continue;
-    // The engine's round-robin continues from earlier calls of the process:
-    // align the simulator's first device with the run's.
-    const int64_t device = (e.device + first_device) % 2;
+    const int64_t device = e.device;
     if (e.kind == "upload") predicted_uploads.emplace_back(device, e.call, e.job, e.stage, -1, e.start_us);
     if (e.kind != "compute") continue;
     predicted.emplace_back(device, e.call, e.job, e.stage, e.microbatch, e.start_us);
