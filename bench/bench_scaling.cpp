@@ -1,19 +1,25 @@
 // B4: scaling, simulated. The real scheduler and the real auto-planner on
 // modeled devices with a Qwen3-1.7B-on-RTX-4090 cost model (one microbatch
 // of ~26k tokens), for D = 1, 2, 4, 8 devices and M = D + 1 microbatches,
-// asynchronous steps; against GPipe and 1F1B over the same layers, split into
-// D balanced stages, computed by the same simulator.
+// asynchronous steps with iterations overlapping as the engine runs them
+// (set_overlap_iterations(true): IterationOverlap::kAfterLosses), jobs given
+// devices by predicted start as the engine gives them; against GPipe and
+// 1F1B over the same layers, split into D balanced stages, computed by the
+// same simulator.
 //
-// The plan is the one the auto-planner picks for D = 8 (fused run kind) and
-// is used for every D, so that speedups compare the same work.
+// The plan is the one the engine's automatic planner picks for D = 8 with
+// iterations overlapping (auto_plan, then search_fused_plan) and is used for
+// every D, so that speedups compare the same work.
 #include <roundpipe/auto_plan.h>
 
+#include <chrono>
 #include <cstdio>
 #include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "schedule/plan_search.h"
 #include "schedule/simulator.h"
 
 using namespace roundpipe;
@@ -50,17 +56,30 @@ std::string Stages(const ModelExecutePlan& p) {
 
 int main() {
   const LayerCosts costs = Qwen3On4090();
-  const ModelExecutePlan plan =
+  const ModelExecutePlan balanced =
       auto_plan({costs}, AutoPlanOptions().set_run_kind(RunKind::kFused).set_min_stages(8)).at(0);
+  PlanSearchOptions search_options;
+  search_options.num_devices = 8;
+  search_options.num_microbatch = 9;
+  search_options.min_stages = 8;
+  const auto search_start = std::chrono::steady_clock::now();
+  const PlanSearchResult searched = search_fused_plan(costs, balanced, search_options);
+  const double search_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - search_start).count();
+  const ModelExecutePlan& plan = searched.plan;
   std::printf(
       "B4 scaling (simulated): Qwen3-1.7B on RTX 4090 cost model, links %.0f GB/s per direction\n",
       kLinkGbps);
+  std::printf("balanced plan (auto_plan, D=8, fused): %s stages (fwd+fused+bwd)\n  %s\n",
+              Stages(balanced).c_str(), balanced.to_string().c_str());
   std::printf(
-      "plan (auto-planner, D=8, fused; used for every D): %s stages (fwd+fused+bwd)\n  %s\n",
-      Stages(plan).c_str(), plan.to_string().c_str());
+      "plan (searched from it by simulation as the engine does with iteration overlap: %lld "
+      "simulations, %.2f s; used for every D): %s stages\n  %s\n",
+      (long long)searched.simulations, search_s, Stages(plan).c_str(), plan.to_string().c_str());
   std::printf(
-      "RoundPipe: steady state of overlapping iterations (4 warm-up, then whole round-robin "
-      "periods); single = one iteration alone\n");
+      "RoundPipe: steady state of overlapping iterations as the engine runs them (the next call "
+      "issued at the losses, one parameter copy; 4 warm-up iterations); single = one iteration "
+      "alone\n");
   std::printf(
       "GPipe / 1F1B: the same layers in D balanced stages (with recomputation), one flush per "
       "iteration\n\n");
@@ -76,6 +95,7 @@ int main() {
                                    .set_num_devices(d)
                                    .set_num_microbatch(m)
                                    .set_link_gbps(kLinkGbps)
+                                   .set_overlap(IterationOverlap::kAfterLosses)
                                    .set_model_name("qwen3-1.7b"));
     const StageCosts stages = split_pipeline_stages(costs, d);
     gpipe[d] = simulate_pipeline(PipelineSchedule::kGPipe, stages, m, kLinkGbps);
@@ -86,36 +106,35 @@ int main() {
                 100 * rp[d].single_bubble, 100 * gpipe[d].bubble, gpipe[d].throughput,
                 100 * ofob[d].bubble, ofob[d].throughput);
   }
-  // The same at D = 8 with free transfers: what is left is scheduling.
-  const SimResult free_links = simulate_roundpipe(
-      costs, plan, SimOptions().set_num_devices(8).set_num_microbatch(9).set_link_gbps(kInfinity));
-  // The same at D = 8 with the next call issued at the previous one's
-  // losses and one copy of the parameters (IterationOverlap::kAfterLosses).
-  const SimResult after_losses = simulate_roundpipe(costs, plan,
-                                                    SimOptions()
-                                                        .set_num_devices(8)
-                                                        .set_num_microbatch(9)
-                                                        .set_link_gbps(kLinkGbps)
-                                                        .set_overlap(IterationOverlap::kAfterLosses));
-  // The same at D = 8 with jobs given devices by predicted start (Dispatcher
-  // fed the costs; not yet what the engine does).
-  const SimResult predicted = simulate_roundpipe(costs, plan,
-                                                 SimOptions()
-                                                     .set_num_devices(8)
-                                                     .set_num_microbatch(9)
-                                                     .set_link_gbps(kLinkGbps)
-                                                     .set_assignment(SimAssignment::kPredictedStart));
+  // Variants at D = 8, each changing one thing.
+  auto d8 = [&](const ModelExecutePlan& p, double link, IterationOverlap overlap, SimAssignment assignment) {
+    return simulate_roundpipe(costs, p,
+                              SimOptions()
+                                  .set_num_devices(8)
+                                  .set_num_microbatch(9)
+                                  .set_link_gbps(link)
+                                  .set_overlap(overlap)
+                                  .set_assignment(assignment));
+  };
+  const IterationOverlap engine = IterationOverlap::kAfterLosses;
+  const SimAssignment predicted = SimAssignment::kPredictedStart;
+  const SimResult free_links = d8(plan, kInfinity, engine, predicted);
+  const SimResult every_call_at_once = d8(plan, kLinkGbps, IterationOverlap::kFull, predicted);
+  const SimResult round_robin = d8(plan, kLinkGbps, engine, SimAssignment::kRoundRobin);
+  const SimResult balanced_plan = d8(balanced, kLinkGbps, engine, predicted);
+  const SimResult balanced_round_robin = d8(balanced, kLinkGbps, engine, SimAssignment::kRoundRobin);
   const double speedup8 = rp[8].throughput / rp[1].throughput;
   std::printf("\nD=8 with free transfers: bubble %.2f%%\n", 100 * free_links.bubble);
-  std::printf("D=8, next call issued at the previous call's losses, one parameter copy: bubble %.2f%%\n",
-              100 * after_losses.bubble);
-  std::printf("D=8, devices by predicted start: bubble %.2f%%\n", 100 * predicted.bubble);
+  std::printf("D=8, every iteration issued at once (the bound of overlap): bubble %.2f%%\n",
+              100 * every_call_at_once.bubble);
+  std::printf("D=8, round-robin devices: bubble %.2f%%\n", 100 * round_robin.bubble);
+  std::printf("D=8, the balanced plan: bubble %.2f%% (round-robin %.2f%%)\n", 100 * balanced_plan.bubble,
+              100 * balanced_round_robin.bubble);
   std::printf("targets (BENCHMARKS.md): bubble_d8 <= 3%% %s, speedup_d8 >= 7.7 %s\n",
               rp[8].bubble <= 0.03 ? "met" : "NOT met", speedup8 >= 7.7 ? "met" : "NOT met");
   std::printf(
-      "(the steady state overlaps iterations on the devices; the engine does so with "
-      "set_overlap_iterations(true), as the after-losses line models, and otherwise gets the single "
-      "column: docs/design/engine.md, B4)\n");
+      "(without set_overlap_iterations(true) the engine gets the single column: "
+      "docs/design/engine.md, B4)\n");
   std::printf(
       "\nRESULT id=B4 bubble_d8=%.4f speedup_d8=%.3f bubble_1f1b_d8=%.4f bubble_gpipe_d8=%.4f",
       rp[8].bubble, speedup8, ofob[8].bubble, gpipe[8].bubble);
@@ -126,10 +145,15 @@ int main() {
   for (int64_t d : {1, 2, 4, 8}) {
     std::printf(" single_bubble_d%lld=%.4f", (long long)d, rp[d].single_bubble);
   }
+  // bubble_d8_after_losses is bubble_d8 (the engine's lifecycle);
+  // bubble_d8_predicted_start has every iteration issued at once.
   std::printf(
       " bubble_d8_free_links=%.4f mb_per_s_d8=%.3f gpipe_mb_per_s_d8=%.3f 1f1b_mb_per_s_d8=%.3f"
-      " bubble_d8_after_losses=%.4f bubble_d8_predicted_start=%.4f\n",
-      free_links.bubble, rp[8].throughput, gpipe[8].throughput, ofob[8].throughput, after_losses.bubble,
-      predicted.bubble);
+      " bubble_d8_after_losses=%.4f bubble_d8_predicted_start=%.4f bubble_d8_round_robin=%.4f"
+      " bubble_d8_balanced_plan=%.4f bubble_d8_balanced_round_robin=%.4f search_simulations=%lld"
+      " search_s=%.2f\n",
+      free_links.bubble, rp[8].throughput, gpipe[8].throughput, ofob[8].throughput, rp[8].bubble,
+      every_call_at_once.bubble, round_robin.bubble, balanced_plan.bubble, balanced_round_robin.bubble,
+      (long long)searched.simulations, search_s);
   return 0;
 }

@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "schedule/plan_search.h"
 #include "schedule/simulator.h"
 
 using namespace roundpipe;
@@ -255,11 +256,22 @@ std::optional<ModelExecutePlan> ParsePlan(const std::string& p) {
   }
 }
 
+// The engine's automatic plan: auto_plan's, and for fused calls whose
+// iterations overlap on two devices or more, the plan search_fused_plan
+// finds from it.
 ModelExecutePlan PlanFor(const Model& m, const Settings& s, int64_t d) {
   if (s.plan) return *s.plan;
   if (m.plan) return *m.plan;
-  return auto_plan({m.costs}, AutoPlanOptions().set_run_kind(s.options.run_kind).set_min_stages(d))
-      .at(0);
+  const ModelExecutePlan balanced =
+      auto_plan({m.costs}, AutoPlanOptions().set_run_kind(s.options.run_kind).set_min_stages(d)).at(0);
+  if (s.options.run_kind != RunKind::kFused || s.options.overlap != IterationOverlap::kAfterLosses || d < 2) {
+    return balanced;
+  }
+  PlanSearchOptions search;
+  search.num_devices = d;
+  search.num_microbatch = s.microbatches(d);
+  search.min_stages = d;
+  return search_fused_plan(m.costs, balanced, search).plan;
 }
 
 // One table row: RoundPipe on D devices, and the baselines (absent for
@@ -308,7 +320,10 @@ void Simulate(const Model& m, const Settings& s, bool write_trace) {
                                         : "forward only",
               s.plan   ? "the given"
               : m.plan ? "the config's"
-                       : "auto-planned (min_stages = D)");
+                       : s.options.run_kind == RunKind::kFused && s.options.overlap == IterationOverlap::kAfterLosses
+                           ? "auto-planned (min_stages = D), searched by simulation as the engine does with "
+                             "iteration overlap"
+                           : "auto-planned (min_stages = D)");
   if (!m.timed) std::printf("(its costs are estimates from parameter sizes, not timings)\n");
   std::printf("%3s %4s %8s %9s %8s %8s %8s | %8s %9s | %8s %9s\n", "D", "M", "stages", "mb/s",
               "speedup", "bubble", "single", "GPipe", "mb/s", "1F1B", "mb/s");

@@ -28,8 +28,10 @@
 #include "engine/tracer.h"
 #include "roundpipe/auto_plan.h"
 #include "roundpipe/model.h"
+#include "roundpipe/optimizer.h"
 #include "roundpipe/timer.h"
 #include "runtime/device_pool.h"
+#include "schedule/plan_search.h"
 #include "util/worker_thread.h"
 
 namespace roundpipe {
@@ -98,8 +100,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     TORCH_CHECK_VALUE(m >= 1, "num_microbatch must be >= 1, got ", m);
   }
 
-  ModelExecutePlan plan_for(const RunConfig& cfg, RunKind kind) {
-    ModelExecutePlan plan = cfg.execute_plan() ? *cfg.execute_plan() : automatic_plan(kind);
+  ModelExecutePlan plan_for(const RunConfig& cfg, RunKind kind, int64_t num_microbatch) {
+    ModelExecutePlan plan = cfg.execute_plan() ? *cfg.execute_plan() : automatic_plan(kind, num_microbatch);
     plan.validate(num_layers(), kind);
     return plan;
   }
@@ -109,17 +111,29 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // +-5% timing noise (auto_plan.h: 1.1 * 1.05 / 0.95 <= 1 / (1 - 0.2)).
   static constexpr double kPlanMinGain = 0.2;
 
-  // The plan a call of `kind` uses when none is given: auto_plan over
-  // layer_costs() with one stage per device at least, kept while a new one
-  // is not materially better (kPlanMinGain).
-  ModelExecutePlan automatic_plan(RunKind kind) {
+  // The plan a call of `kind` with `num_microbatch` microbatches uses when
+  // none is given: auto_plan over layer_costs() with one stage per device at
+  // least, kept while a new one is not materially better (kPlanMinGain).
+  // Fused calls whose iterations overlap, on two devices or more, once
+  // every layer is timed, take the plan search_fused_plan finds from it
+  // (plan_search.h), searched again only when that plan or M changes.
+  ModelExecutePlan automatic_plan(RunKind kind, int64_t num_microbatch) {
     const LayerCosts costs = layer_costs();
     AutoPlanOptions options;
     options.set_run_kind(kind).set_min_stages(num_devices).set_upper_threshold(1.1);
     ModelExecutePlan candidate = auto_plan({costs}, options).front();
     ModelExecutePlan& current = automatic_plans[static_cast<size_t>(kind)];
     current = choose_plan(current, candidate, costs, kind, kPlanMinGain);
-    return current;
+    const bool overlaps = get_overlap_iterations() && !has_buffers;
+    if (kind != RunKind::kFused || !overlaps || num_devices < 2 || !layers_timed()) return current;
+    if (!(searched.from == current) || searched.num_microbatch != num_microbatch) {
+      PlanSearchOptions search;
+      search.num_devices = num_devices;
+      search.num_microbatch = num_microbatch;
+      search.min_stages = num_devices;
+      searched = {current, num_microbatch, search_fused_plan(costs, current, search).plan};
+    }
+    return searched.plan;
   }
 
   // Per-layer costs for planning: the timer's estimates once every layer has
@@ -365,6 +379,11 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   std::vector<std::shared_ptr<Layer>> layers;
   ModelTimer timer;
   std::array<ModelExecutePlan, 3> automatic_plans;  // [RunKind]: empty until first used
+  struct SearchedPlan {
+    ModelExecutePlan from;  // the automatic fused plan it was searched from
+    int64_t num_microbatch = 0;
+    ModelExecutePlan plan;
+  } searched;
   std::unique_ptr<HostStore> store;
   int64_t num_devices = 1;
   uint64_t seed = 0;

@@ -179,7 +179,7 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
   int64_t n = 0;
   MicrobatchInputs inputs = checking_arguments(m.name, "forward", [&] {
     n = m.microbatches_for(cfg, args, kwargs);
-    plan = m.plan_for(cfg, kind);
+    plan = m.plan_for(cfg, kind, n);
     return split_call_inputs(args, kwargs, n, cfg);
   });
 
@@ -245,7 +245,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   std::vector<c10::IValue> labels;
   MicrobatchInputs inputs = checking_arguments(m.name, "forward_backward", [&] {
     n = m.microbatches_for(cfg, input_args, input_kwargs);
-    plan = m.plan_for(cfg, RunKind::kFused);
+    plan = m.plan_for(cfg, RunKind::kFused, n);
     labels = split_label(label, n, cfg.split_label().value_or(LabelSplit{}));
     return split_call_inputs(input_args, input_kwargs, n, cfg);
   });
@@ -336,7 +336,7 @@ int64_t RoundPipe::num_layers() const { return impl_->num_layers(); }
 const std::string& RoundPipe::name() const { return impl_->name; }
 int64_t RoundPipe::num_devices() const { return impl_->num_devices; }
 
-ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const { return impl_->automatic_plan(kind); }
+ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const { return impl_->automatic_plan(kind, impl_->num_devices + 1); }
 
 const ModelTimer& RoundPipe::timer() const { return impl_->timer; }
 ModelTimer& RoundPipe::timer() { return impl_->timer; }
