@@ -165,37 +165,21 @@ class Search {
     const int64_t f = Sum(start.fwd);
     Lengths l;
     auto fill = [&](std::vector<int64_t>& out, bool forward) {
-      double t = 0;
-      int64_t len = 0;
+      std::vector<double> times;  // [stage] along the chain
       for (int64_t k = 0; k < f; ++k) {
-        const int64_t layer = forward ? k : f - 1 - k;
-        const double lt = forward ? c_.fwd_ms[layer] : c_.recompute_ms[layer] + c_.bwd_ms[layer];
-        if (len > 0 && t + lt > budget) {
-          out.push_back(len);
-          t = 0;
-          len = 0;
+        const int64_t layer = forward ? k : f - 1 - k;  // in the order the pass runs
+        const double t = forward ? c_.fwd_ms[layer] : c_.recompute_ms[layer] + c_.bwd_ms[layer];
+        if (out.empty() || times.back() + t > budget) {
+          out.push_back(0);
+          times.push_back(0);
         }
-        t += lt;
-        ++len;
+        ++out.back();
+        times.back() += t;
       }
-      out.push_back(len);
       // A remainder shorter than the stage before it joins that stage.
-      if (out.size() >= 2) {
-        double last = 0, before = 0;
-        int64_t at = 0;
-        for (size_t s = 0; s + 1 < out.size(); ++s) at += out[s];
-        for (int64_t k = at; k < f; ++k) {
-          const int64_t layer = forward ? k : f - 1 - k;
-          last += forward ? c_.fwd_ms[layer] : c_.recompute_ms[layer] + c_.bwd_ms[layer];
-        }
-        for (int64_t k = at - out[out.size() - 2]; k < at; ++k) {
-          const int64_t layer = forward ? k : f - 1 - k;
-          before += forward ? c_.fwd_ms[layer] : c_.recompute_ms[layer] + c_.bwd_ms[layer];
-        }
-        if (last < before) {
-          out[out.size() - 2] += out.back();
-          out.pop_back();
-        }
+      if (out.size() >= 2 && times.back() < times[times.size() - 2]) {
+        out[out.size() - 2] += out.back();
+        out.pop_back();
       }
     };
     fill(l.fwd, true);
