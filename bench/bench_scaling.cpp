@@ -8,7 +8,7 @@
 // same simulator.
 //
 // The plan is the one the engine's automatic planner picks for D = 8 with
-// iterations overlapping (auto_plan, then search_fused_plan) and is used for
+// iterations overlapping (auto_plan, then search_overlapped_plan) and is used for
 // every D, so that speedups compare the same work.
 #include <roundpipe/auto_plan.h>
 
@@ -58,12 +58,8 @@ int main() {
   const LayerCosts costs = Qwen3On4090();
   const ModelExecutePlan balanced =
       auto_plan({costs}, AutoPlanOptions().set_run_kind(RunKind::kFused).set_min_stages(8)).at(0);
-  PlanSearchOptions search_options;
-  search_options.num_devices = 8;
-  search_options.num_microbatch = 9;
-  search_options.min_stages = 8;
   const auto search_start = std::chrono::steady_clock::now();
-  const PlanSearchResult searched = search_fused_plan(costs, balanced, search_options);
+  const PlanSearchResult searched = search_overlapped_plan(costs, balanced, 8, 9);
   const double search_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - search_start).count();
   const ModelExecutePlan& plan = searched.plan;

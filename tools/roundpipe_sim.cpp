@@ -256,22 +256,20 @@ std::optional<ModelExecutePlan> ParsePlan(const std::string& p) {
   }
 }
 
-// The engine's automatic plan: auto_plan's, and for fused calls whose
-// iterations overlap on two devices or more, the plan search_fused_plan
-// finds from it.
+// The engine searches its automatic plan for fused calls whose iterations
+// overlap (on two devices or more).
+bool SearchesPlan(const Settings& s) {
+  return s.options.run_kind == RunKind::kFused && s.options.overlap == IterationOverlap::kAfterLosses;
+}
+
+// The engine's automatic plan: auto_plan's, searched from where it would be.
 ModelExecutePlan PlanFor(const Model& m, const Settings& s, int64_t d) {
   if (s.plan) return *s.plan;
   if (m.plan) return *m.plan;
   const ModelExecutePlan balanced =
       auto_plan({m.costs}, AutoPlanOptions().set_run_kind(s.options.run_kind).set_min_stages(d)).at(0);
-  if (s.options.run_kind != RunKind::kFused || s.options.overlap != IterationOverlap::kAfterLosses || d < 2) {
-    return balanced;
-  }
-  PlanSearchOptions search;
-  search.num_devices = d;
-  search.num_microbatch = s.microbatches(d);
-  search.min_stages = d;
-  return search_fused_plan(m.costs, balanced, search).plan;
+  if (!SearchesPlan(s) || d < 2) return balanced;
+  return search_overlapped_plan(m.costs, balanced, d, s.microbatches(d)).plan;
 }
 
 // One table row: RoundPipe on D devices, and the baselines (absent for
@@ -320,7 +318,7 @@ void Simulate(const Model& m, const Settings& s, bool write_trace) {
                                         : "forward only",
               s.plan   ? "the given"
               : m.plan ? "the config's"
-                       : s.options.run_kind == RunKind::kFused && s.options.overlap == IterationOverlap::kAfterLosses
+                       : SearchesPlan(s)
                            ? "auto-planned (min_stages = D), searched by simulation as the engine does with "
                              "iteration overlap"
                            : "auto-planned (min_stages = D)");

@@ -115,7 +115,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // none is given: auto_plan over layer_costs() with one stage per device at
   // least, kept while a new one is not materially better (kPlanMinGain).
   // Fused calls whose iterations overlap, on two devices or more, once
-  // every layer is timed, take the plan search_fused_plan finds from it
+  // every layer is timed, take the plan search_overlapped_plan finds from it
   // (plan_search.h), searched again only when that plan or M changes.
   ModelExecutePlan automatic_plan(RunKind kind, int64_t num_microbatch) {
     const LayerCosts costs = layer_costs();
@@ -124,14 +124,10 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     ModelExecutePlan candidate = auto_plan({costs}, options).front();
     ModelExecutePlan& current = automatic_plans[static_cast<size_t>(kind)];
     current = choose_plan(current, candidate, costs, kind, kPlanMinGain);
-    const bool overlaps = get_overlap_iterations() && !has_buffers;
-    if (kind != RunKind::kFused || !overlaps || num_devices < 2 || !layers_timed()) return current;
+    if (kind != RunKind::kFused || !iterations_overlap() || num_devices < 2 || !layers_timed()) return current;
     if (!(searched.from == current) || searched.num_microbatch != num_microbatch) {
-      PlanSearchOptions search;
-      search.num_devices = num_devices;
-      search.num_microbatch = num_microbatch;
-      search.min_stages = num_devices;
-      searched = {current, num_microbatch, search_fused_plan(costs, current, search).plan};
+      searched = {current, num_microbatch,
+                  search_overlapped_plan(costs, current, num_devices, num_microbatch).plan};
     }
     return searched.plan;
   }
@@ -152,6 +148,12 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     }
     return costs;
   }
+
+  // This model's forward_backward calls return at their losses: iteration
+  // overlap is on (set_overlap_iterations) and the model has no buffers
+  // (commit writes them back, which the next call's uploads would race
+  // with). A call whose inputs require grad still waits for its end.
+  bool iterations_overlap() const { return get_overlap_iterations() && !has_buffers; }
 
   // Every layer has a forward time estimate.
   bool layers_timed() const {

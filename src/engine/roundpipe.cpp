@@ -263,7 +263,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   // Overlap: this call returns at its losses, with its backward stages still
   // running, unless the caller needs its input gradients now or the model's
   // buffers (written back by commit) would race with the next call's uploads.
-  bool overlap = get_overlap_iterations() && !m.has_buffers;
+  bool overlap = m.iterations_overlap();
   for (int64_t mb = 0; mb < n && overlap; ++mb) {
     for (const at::Tensor& t : flatten_tensors(call->flow[0][mb].value)) overlap = overlap && !t.requires_grad();
   }

@@ -48,6 +48,17 @@ ModelExecutePlan ToPlan(const Lengths& l, int64_t num_layers) {
   return plan;
 }
 
+// A fixed pseudo-random sequence (xorshift64): equal inputs give equal plans.
+struct XorShift {
+  uint64_t state;
+  uint64_t next() {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  }
+};
+
 class Search {
  public:
   Search(const LayerCosts& costs, const PlanSearchOptions& o) : c_(costs), o_(o) {
@@ -58,13 +69,8 @@ class Search {
     // that it is good under measured times too, not only at one point of a
     // landscape that changes abruptly between neighbouring plans.
     samples_.push_back(costs);
-    uint64_t state = 0x2545F4914F6CDD1Dull;
-    auto jitter = [&state] {
-      state ^= state << 13;
-      state ^= state >> 7;
-      state ^= state << 17;
-      return 1.0 + 0.03 * (static_cast<double>(state % 2001) / 1000.0 - 1.0);
-    };
+    XorShift random{0x2545F4914F6CDD1Dull};
+    auto jitter = [&random] { return 1.0 + 0.03 * (static_cast<double>(random.next() % 2001) / 1000.0 - 1.0); };
     for (int k = 0; k < 2; ++k) {
       LayerCosts moved = costs;
       for (int64_t l = 0; l < n; ++l) {
@@ -121,7 +127,7 @@ class Search {
   // Of the best plans seen, the one with the shortest mean time over the
   // costs and the two moved copies (see the constructor).
   Lengths most_robust() const {
-    Lengths pick = best_;
+    Lengths pick;
     double pick_mean = std::numeric_limits<double>::infinity();
     for (const auto& [s, l] : top_) {
       double sum = s;
@@ -136,9 +142,8 @@ class Search {
   }
 
   // Steepest descent from `l` (score `s`) while fewer than `until`
-  // simulations ran; updates the best seen.
+  // simulations ran.
   void descend(Lengths l, double s, int64_t until) {
-    consider(l, s);
     until = std::min(until, o_.max_simulations);
     while (simulations_ < until) {
       Lengths next;
@@ -154,7 +159,6 @@ class Search {
       if (!(next_s < s)) return;
       l = next;
       s = next_s;
-      consider(l, s);
     }
   }
 
@@ -190,37 +194,27 @@ class Search {
   // From the best plan seen, `moves` random neighbours in a row (a kick out
   // of its basin), then steepest descent; until the budget is spent.
   void kick_and_descend(int64_t moves) {
-    uint64_t state = 0x9E3779B97F4A7C15ull;  // fixed: equal inputs give equal plans
-    auto next = [&state](size_t n) {
-      state ^= state << 13;
-      state ^= state >> 7;
-      state ^= state << 17;
-      return static_cast<size_t>(state % n);
-    };
-    while (simulations_ < o_.max_simulations && best_s_ < std::numeric_limits<double>::infinity()) {
-      Lengths l = best_;
+    XorShift random{0x9E3779B97F4A7C15ull};
+    while (simulations_ < o_.max_simulations && !top_.empty()) {
+      Lengths l = top_.front().second;
       for (int64_t k = 0; k < moves; ++k) {
         std::vector<Lengths> options;
         for (Lengths& q : neighbours(l)) {
           if (valid(q)) options.push_back(std::move(q));
         }
         if (options.empty()) return;
-        l = options[next(options.size())];
+        l = options[random.next() % options.size()];
       }
       descend(l, score(l), o_.max_simulations);
     }
   }
 
-  const Lengths& best() const { return best_; }
-  double best_ms() const { return best_s_; }
   int64_t simulations() const { return simulations_; }
 
  private:
+  // Keeps the kTop best plans scored, shortest first (the first scored
+  // among equals).
   void consider(const Lengths& l, double s) {
-    if (s < best_s_) {
-      best_ = l;
-      best_s_ = s;
-    }
     for (const auto& [ts, tl] : top_) {
       if (tl == l) return;
     }
@@ -275,8 +269,6 @@ class Search {
   SimOptions sim_;
   int64_t min_stages_ = 1;
   int64_t simulations_ = 0;
-  Lengths best_;
-  double best_s_ = std::numeric_limits<double>::infinity();
   std::vector<std::pair<double, Lengths>> top_;  // the best plans seen, shortest first
 };
 
@@ -317,6 +309,15 @@ PlanSearchResult search_fused_plan(const LayerCosts& costs, const ModelExecutePl
   result.plan = ToPlan(pick, costs.num_layers());
   result.simulations = search.simulations();
   return result;
+}
+
+PlanSearchResult search_overlapped_plan(const LayerCosts& costs, const ModelExecutePlan& balanced,
+                                        int64_t num_devices, int64_t num_microbatch) {
+  PlanSearchOptions options;
+  options.num_devices = num_devices;
+  options.num_microbatch = num_microbatch;
+  options.min_stages = num_devices;
+  return search_fused_plan(costs, balanced, options);
 }
 
 }  // namespace roundpipe

@@ -64,4 +64,12 @@ struct PlanSearchResult {
 PlanSearchResult search_fused_plan(const LayerCosts& costs, const ModelExecutePlan& start,
                                    const PlanSearchOptions& options);
 
+// The engine's automatic plan for fused calls whose iterations overlap on
+// `num_devices` devices with `num_microbatch` microbatches: search_fused_plan
+// from `balanced` (auto_plan's) with a stage per device at least and the
+// other options at their defaults. The engine, roundpipe-sim and B4 plan
+// with it.
+PlanSearchResult search_overlapped_plan(const LayerCosts& costs, const ModelExecutePlan& balanced,
+                                        int64_t num_devices, int64_t num_microbatch);
+
 }  // namespace roundpipe
