@@ -44,7 +44,7 @@ void Call::stage_uploaded(int64_t job, FencePtr fence) {
     uploaded_.at(job) = 1;
     upload_fences_.at(job) = std::move(fence);
   }
-  cv_.notify_all();
+  host_cv_.notify_all();
 }
 
 void Call::wait_read(int64_t layer) {
@@ -53,7 +53,7 @@ void Call::wait_read(int64_t layer) {
   FencePtr fence;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return uploaded_[j] || finished_jobs_ == static_cast<int64_t>(jobs.size()); });
+    host_cv_.wait(lock, [&] { return uploaded_[j] || finished_jobs_ == static_cast<int64_t>(jobs.size()); });
     if (!uploaded_[j]) return;  // never uploaded: the call failed first
     fence = upload_fences_[j];
   }
@@ -80,7 +80,7 @@ void Call::loss_handed(FencePtr fence) {
     std::lock_guard<std::mutex> lock(mu_);
     loss_fences_.push_back(std::move(fence));
   }
-  cv_.notify_all();
+  host_cv_.notify_all();
 }
 
 bool Call::wait_losses() {
@@ -92,9 +92,9 @@ bool Call::wait_losses() {
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (!interruptible()) {
-      cv_.wait(lock, all);
+      host_cv_.wait(lock, all);
     } else {
-      while (!cv_.wait_for(lock, kInterruptPollPeriod, all)) {
+      while (!host_cv_.wait_for(lock, kInterruptPollPeriod, all)) {
         lock.unlock();  // the poll may take the GIL: never under this lock
         if (std::exception_ptr e = poll_interrupt()) fail(e, "in RoundPipe model '" + model.name + "': interrupted");
         lock.lock();
@@ -117,14 +117,14 @@ bool Call::wait_losses() {
 
 Slot Call::wait(const Slot& slot) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return slot.ready || error_ != nullptr; });
+  slots_cv_.wait(lock, [&] { return slot.ready || error_ != nullptr; });
   if (error_ != nullptr) throw Cancelled{};
   return slot;
 }
 
 Slot Call::take(Slot& slot) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return slot.ready || error_ != nullptr; });
+  slots_cv_.wait(lock, [&] { return slot.ready || error_ != nullptr; });
   if (error_ != nullptr) throw Cancelled{};
   Slot out = slot;
   if (slot.device >= 0) slot.value = c10::IValue();
@@ -137,7 +137,7 @@ void Call::publish(Slot& slot, Slot value) {
     slot = std::move(value);
     slot.ready = true;
   }
-  cv_.notify_all();
+  slots_cv_.notify_all();
 }
 
 void Call::fail(std::exception_ptr error, const std::string& context) {
@@ -147,7 +147,8 @@ void Call::fail(std::exception_ptr error, const std::string& context) {
     error_ = std::move(error);
     context_ = context;
   }
-  cv_.notify_all();
+  slots_cv_.notify_all();
+  host_cv_.notify_all();
 }
 
 bool Call::failed() {
@@ -158,8 +159,8 @@ bool Call::failed() {
 void Call::job_done() {
   {
     std::lock_guard<std::mutex> lock(mu_);  // notified under the lock: a waiter may free the call next
-    ++finished_jobs_;
-    cv_.notify_all();
+    // Host waiters wait for this only when it is the last job.
+    if (++finished_jobs_ == static_cast<int64_t>(jobs.size())) host_cv_.notify_all();
   }
   jobs_done_.finish();
 }

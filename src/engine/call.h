@@ -166,7 +166,11 @@ class Call {
 
  private:
   std::mutex mu_;
-  std::condition_variable cv_;
+  // Two conditions, so that a value handed between workers does not wake the
+  // host, nor a job's progress the workers: `slots_cv_` for the workers'
+  // wait() and take(), `host_cv_` for wait_read() and wait_losses().
+  std::condition_variable slots_cv_;
+  std::condition_variable host_cv_;
   std::exception_ptr error_;  // guarded by mu_
   std::string context_;       // guarded by mu_
   Countdown jobs_done_;       // the last job's finish is its last use of the call

@@ -102,8 +102,14 @@ at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {
 
 at::Tensor HostStore::view_on_device(const at::Tensor& arena, int64_t id) const {
   const HostParam& p = params_.at(id);
-  const int64_t bytes = p.master.numel() * static_cast<int64_t>(p.master.element_size());
-  return arena.narrow(0, p.offset, bytes).view(p.master.scalar_type()).view(p.master.sizes());
+  // The view arena.narrow(0, offset, bytes).view(dtype).view(sizes) is, made
+  // directly: this runs for every parameter of every stage upload, where
+  // three dispatched view ops cost more than a small layer's copy. Offsets
+  // are kAlign-aligned, so the element offset is exact.
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(arena.storage()), arena.key_set(), p.master.dtype());
+  impl->set_storage_offset((arena.storage_offset() + p.offset) / static_cast<int64_t>(p.master.element_size()));
+  impl->set_sizes_contiguous(p.master.sizes());
+  return at::Tensor(std::move(impl));
 }
 
 std::vector<int64_t> HostStore::layer_param_bytes() const {

@@ -9,13 +9,6 @@ namespace roundpipe {
 
 namespace {
 
-std::vector<at::Tensor> detached(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> out;
-  out.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) out.push_back(t.defined() ? t.detach() : t);
-  return out;
-}
-
 // Completes once the parameters of the given layers hold write
 // `generation`: an upload issued after it waits on its lane, not on the
 // worker, so the worker goes on queueing compute.
@@ -45,7 +38,7 @@ OnDevice to_device(Device& dev, const Slot& slot) {
   if (slot.device == dev.index()) return OnDevice{slot.value, slot.fence};
   std::vector<at::Tensor> host = flatten_tensors(slot.value);
   if (host.empty()) return OnDevice{slot.value, nullptr};
-  std::vector<at::Tensor> moved = dev.upload(detached(host), Lane::kActUpload, slot.fence);
+  std::vector<at::Tensor> moved = dev.upload(host, Lane::kActUpload, slot.fence);
   return OnDevice{replace_tensors(slot.value, moved), dev.lane_fence(Lane::kActUpload)};
 }
 
@@ -62,7 +55,7 @@ Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer) {
     out.value = value;
     return out;
   }
-  out.value = replace_tensors(value, dev.download(detached(tensors)));
+  out.value = replace_tensors(value, dev.download(tensors));
   out.fence = dev.lane_fence(Lane::kDownload);
   return out;
 }

@@ -104,6 +104,7 @@ class AcceleratorDevice final : public Device {
     const c10::Stream& stream = streams_[static_cast<int>(lane)];
     if (after) wait_on(after, stream);
     c10::StreamGuard guard(stream);
+    at::NoGradGuard no_grad;  // copies, not steps of the caller's graph
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
     std::vector<at::Tensor> out(host.size());
     for (size_t i = 0; i < host.size(); ++i) {
@@ -120,6 +121,7 @@ class AcceleratorDevice final : public Device {
     const c10::Stream& stream = streams_[static_cast<int>(Lane::kDownload)];
     EventFence(events_, compute_stream()).block(stream);  // one wait for the whole batch
     c10::StreamGuard guard(stream);
+    at::NoGradGuard no_grad;
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
     std::vector<at::Tensor> host(device_tensors.size());
     for (size_t i = 0; i < host.size(); ++i) {

@@ -94,12 +94,13 @@ class Device {
   // Copies host tensors to new device tensors on `lane`, once `after` (a
   // fence from any device or the host; may be null) has completed. The
   // copies are complete at the next lane_fence(lane). Undefined tensors stay
-  // undefined.
+  // undefined; the copies have no autograd history.
   virtual std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane,
                                          const FencePtr& after) = 0;
   // Copies device tensors to new host memory on the download lane, after the
   // compute submitted so far. The copies are complete at the next
-  // lane_fence(Lane::kDownload). Undefined tensors stay undefined.
+  // lane_fence(Lane::kDownload). Undefined tensors stay undefined; the
+  // copies have no autograd history.
   virtual std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) = 0;
   // A fence after all work submitted on `lane` so far.
   virtual FencePtr lane_fence(Lane lane) = 0;

@@ -4,6 +4,8 @@
 // freed condition variable if finish() notified after unlocking.)
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -34,6 +36,36 @@ TEST(Countdown, TheWaiterMayFreeItRightAfterTheLastFinish) {
     delete done;
     for (auto& t : tasks) t.join();
   }
+}
+
+TEST(Countdown, WaitersForDifferentCountsEachReturnAtTheirOwn) {
+  // finish() wakes only at the smallest count waited for: a waiter for a
+  // larger one must still be woken later.
+  for (int round = 0; round < 200; ++round) {
+    Countdown done;
+    std::atomic<int> returned{0};
+    std::thread two([&] { done.wait_for(2); returned |= 1; });
+    std::thread four([&] { done.wait_for(4); returned |= 2; });
+    for (int i = 0; i < 4; ++i) {
+      if (i == 2 + round % 2) {
+        while (!(returned.load() & 1)) std::this_thread::yield();  // the waiter for 2 returned after 2
+      }
+      done.finish();
+    }
+    two.join();
+    four.join();
+    EXPECT_EQ(returned.load(), 3);
+  }
+}
+
+TEST(Countdown, TimedWaitSaysWhetherTheCountWasReached) {
+  Countdown done;
+  done.finish();
+  EXPECT_FALSE(done.wait_for(2, std::chrono::milliseconds(5)));
+  std::thread last([&] { done.finish(); });
+  EXPECT_TRUE(done.wait_for(2, std::chrono::seconds(60)));
+  last.join();
+  EXPECT_TRUE(done.wait_for(1, std::chrono::milliseconds(0)));
 }
 
 }  // namespace
