@@ -36,9 +36,10 @@ PinMode pin_mode_from_name(const std::string& name) {
 HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode mode, bool page_lock) {
   std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
   layers_.resize(layers.size());
+  int64_t slab_bytes = 0;
   for (size_t l = 0; l < layers.size(); ++l) {
     HostLayer& hl = layers_[l];
-    int64_t arena_bytes = 0;
+    hl.slab_offset = slab_bytes;
     for (const auto& [name, tensor] : layers[l]->named_parameters()) {
       auto [it, is_new] = id_of.emplace(tensor.unsafeGetTensorImpl(), params_.size());
       if (is_new) {
@@ -46,26 +47,32 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode 
         p.name = std::to_string(l) + "." + name;
         p.master = tensor;
         p.owner = static_cast<int64_t>(l);
-        p.offset = arena_bytes;
-        arena_bytes += align_up(tensor.numel() * static_cast<int64_t>(tensor.element_size()));
+        p.offset = hl.arena_bytes;
+        hl.arena_bytes += align_up(tensor.numel() * static_cast<int64_t>(tensor.element_size()));
         hl.owned.push_back(it->second);
         params_.push_back(std::move(p));
       }
       hl.param_ids.push_back(it->second);
       hl.param_bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
     }
-    if (mode != PinMode::kAlloc) continue;
-    // Exact size (rounded to the alignment only): no power-of-two blow-up,
-    // which torch's pinned allocator would add to page-locked arenas.
-    hl.arena = page_lock && cuda::built_with_cuda()
-                   ? cuda::page_locked_bytes(arena_bytes)
-                   : at::empty({arena_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(page_lock));
-    for (int64_t id : hl.owned) {
-      HostParam& p = params_[id];
-      at::Tensor view = view_in(hl.arena, id);
-      view.copy_(p.master.detach());
-      // The model keeps its parameter objects; their data now lives in the arena.
-      p.master.set_data(view);
+    slab_bytes += hl.arena_bytes;
+  }
+  if (mode == PinMode::kAlloc) {
+    // One slab of the exact size (rounded to the alignment only): no
+    // power-of-two blow-up, which torch's pinned allocator would add, and
+    // the layers of a stage are one range of it, uploaded in one copy.
+    slab_ = page_lock && cuda::built_with_cuda()
+                ? cuda::page_locked_bytes(slab_bytes)
+                : at::empty({slab_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(page_lock));
+    for (HostLayer& hl : layers_) {
+      hl.arena = slab_.narrow(0, hl.slab_offset, hl.arena_bytes);
+      for (int64_t id : hl.owned) {
+        HostParam& p = params_[id];
+        at::Tensor view = view_in(hl.arena, id);
+        view.copy_(p.master.detach());
+        // The model keeps its parameter objects; their data now lives in the slab.
+        p.master.set_data(view);
+      }
     }
   }
   if (mode == PinMode::kRegister && page_lock && cuda::built_with_cuda()) {
@@ -100,14 +107,15 @@ at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {
                        p.master.options().device(arena.device()).requires_grad(false));
 }
 
-at::Tensor HostStore::view_on_device(const at::Tensor& arena, int64_t id) const {
+at::Tensor HostStore::view_on_device(const at::Tensor& bytes, int64_t arena_offset, int64_t id) const {
   const HostParam& p = params_.at(id);
-  // The view arena.narrow(0, offset, bytes).view(dtype).view(sizes) is, made
+  // The view bytes.narrow(0, offset, size).view(dtype).view(sizes) is, made
   // directly: this runs for every parameter of every stage upload, where
   // three dispatched view ops cost more than a small layer's copy. Offsets
   // are kAlign-aligned, so the element offset is exact.
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(arena.storage()), arena.key_set(), p.master.dtype());
-  impl->set_storage_offset((arena.storage_offset() + p.offset) / static_cast<int64_t>(p.master.element_size()));
+  const int64_t byte_offset = bytes.storage_offset() + arena_offset + p.offset;
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(bytes.storage()), bytes.key_set(), p.master.dtype());
+  impl->set_storage_offset(byte_offset / static_cast<int64_t>(p.master.element_size()));
   impl->set_sizes_contiguous(p.master.sizes());
   return at::Tensor(std::move(impl));
 }

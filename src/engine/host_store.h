@@ -1,6 +1,6 @@
 // The host-resident model state: master parameters (packed into one
-// contiguous arena per layer, or left in place: PinMode), fp32 gradient
-// accumulators, and buffers.
+// contiguous arena per layer, the arenas one slab in layer order, or left in
+// place: PinMode), fp32 gradient accumulators, and buffers.
 //
 // Thread-compatible: owned by the user thread of the model; device workers
 // only read arenas and buffers while a call runs (the user thread does not
@@ -31,7 +31,9 @@ struct HostParam {
 
 struct HostLayer {
   std::vector<int64_t> param_ids;  // per layer parameter (named_parameters order) -> HostParam
-  at::Tensor arena;                // uint8 [arena bytes]: the parameters this layer owns (kAlloc only)
+  at::Tensor arena;                // uint8 [arena_bytes]: the parameters this layer owns, in the slab (kAlloc only)
+  int64_t arena_bytes = 0;         // the size of `arena` (also when there is none)
+  int64_t slab_offset = 0;         // where `arena` starts in the slab
   std::vector<int64_t> owned;      // HostParam ids first used by this layer (stored in `arena`)
   int64_t param_bytes = 0;         // bytes of all this layer's parameters (tied ones included)
 };
@@ -50,19 +52,24 @@ class HostStore {
   const HostLayer& layer(int64_t i) const { return layers_.at(i); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   std::vector<int64_t> layer_param_bytes() const;
+  // Every layer's arena in layer order, one allocation (kAlloc; undefined
+  // otherwise).
+  const at::Tensor& slab() const { return slab_; }
 
   // The tensor of parameter `id` inside its owner's host arena: a storage of
   // its own (from_blob, keeping the arena alive), so that the model's
   // parameters do not share memory in the eyes of savers such as safetensors.
   at::Tensor view_in(const at::Tensor& arena, int64_t id) const;
-  // The same inside a device copy of the arena: a view narrowed from it, so
-  // the device allocator sees the arena's storage in use for as long as any
+  // The same inside `bytes`, a device copy of a range of the slab in which
+  // the owner's arena starts at byte `arena_offset`: a view of its storage,
+  // so the device allocator sees the copy in use for as long as any
   // parameter is.
-  at::Tensor view_on_device(const at::Tensor& arena, int64_t id) const;
+  at::Tensor view_on_device(const at::Tensor& bytes, int64_t arena_offset, int64_t id) const;
 
  private:
   std::vector<HostParam> params_;
   std::vector<HostLayer> layers_;
+  at::Tensor slab_;                // uint8: the arenas (kAlloc)
   std::vector<void*> registered_;  // host memory page-locked in place (kRegister)
 };
 

@@ -66,12 +66,17 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
   std::vector<at::Tensor> host;  // what to upload
   std::vector<int64_t> gated;    // layers whose parameters it reads
   std::unordered_map<int64_t, std::pair<size_t, bool>> source;  // param id -> (index in host, arena?)
+  // The stage's arenas: one range of the slab, one copy. Parameters left in
+  // place (no slab) go one by one.
+  const at::Tensor& slab = store.slab();
+  const int64_t slab_begin = store.layer(range.begin).slab_offset;
+  const int64_t slab_end = store.layer(range.end - 1).slab_offset + store.layer(range.end - 1).arena_bytes;
+  const bool from_slab = slab.defined() && slab_end > slab_begin;
+  if (from_slab) host.push_back(slab.narrow(0, slab_begin, slab_end - slab_begin));
   for (int64_t l = range.begin; l < range.end; ++l) {
-    const HostLayer& hl = store.layer(l);
     gated.push_back(l);
-    if (!hl.arena.defined() || hl.arena.numel() == 0) continue;  // parameters left in place go one by one
-    for (int64_t id : hl.owned) source[id] = {host.size(), true};
-    host.push_back(hl.arena);
+    if (!from_slab) continue;
+    for (int64_t id : store.layer(l).owned) source[id] = {0, true};
   }
   for (int64_t l = range.begin; l < range.end; ++l) {
     for (int64_t id : store.layer(l).param_ids) {
@@ -104,7 +109,12 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
     std::vector<at::Tensor> params;
     for (int64_t id : store.layer(l).param_ids) {
       const auto& [index, in_arena] = source.at(id);
-      params.push_back(in_arena ? store.view_on_device(moved[index], id) : moved[index]);
+      if (!in_arena) {
+        params.push_back(moved[index]);
+        continue;
+      }
+      const int64_t owner_offset = store.layer(store.params()[id].owner).slab_offset - slab_begin;  // in moved[0]
+      params.push_back(store.view_on_device(moved[0], owner_offset, id));
     }
     std::vector<at::Tensor> buffers;
     for (size_t b = 0; b < layers[l]->named_buffers().size(); ++b) buffers.push_back(moved[next_buffer++]);
