@@ -42,8 +42,9 @@ using LossFn = std::function<c10::IValue(const c10::IValue& outputs, const c10::
 // Model-level options, fixed at construction.
 // How the host copy of the parameters is kept (where devices upload from).
 enum class PinMode {
-  // Packed into one exact-size arena per layer (the model's parameters then
-  // view it), page-locked when the devices are CUDA devices. The default.
+  // Packed into one exact-size arena per layer, all arenas one slab in layer
+  // order (the model's parameters then view it; a stage uploads in one
+  // copy), page-locked when the devices are CUDA devices. The default.
   kAlloc,
   // Left where they are and page-locked in place when the devices are CUDA
   // devices (cudaHostRegister); nothing is copied.
@@ -98,7 +99,8 @@ class RoundPipe {
   // Wraps `model`: each child is a layer. Parameters and buffers must be on
   // the CPU and all layers cloneable (see layer.h). With PinMode::kAlloc
   // (the default) parameters are moved into one contiguous host arena per
-  // layer; the model's tensors keep their identity and now view that arena.
+  // layer, in one slab; the model's tensors keep their identity and now view
+  // it.
   explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
   // Errors in the options or the layers (c10::ValueError / c10::TypeError)
   // name the model and the constructor.

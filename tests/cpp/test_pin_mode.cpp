@@ -5,6 +5,7 @@
 #include <roundpipe/roundpipe.h>
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "models.h"
@@ -68,6 +69,28 @@ TEST(PinMode, RegisterAndOffLeaveParametersInPlaceAndTrainLikeAlloc) {
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << pin_mode_name(mode) << " " << i;
   }
+}
+
+TEST(PinMode, AllocPacksEveryLayerIntoOneSlabInLayerOrder) {
+  // A stage is then one range of the slab, uploaded in one copy.
+  torch::manual_seed(3);
+  torch::nn::Sequential net = testing::make_mlp();
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(2));
+  const auto params = net->parameters();
+  ASSERT_GE(params.size(), 4u);
+  const auto* first = static_cast<const uint8_t*>(params.front().data_ptr());
+  int64_t bytes = 0;
+  const uint8_t* end = first;
+  for (const at::Tensor& p : params) {
+    const auto* at = static_cast<const uint8_t*>(p.data_ptr());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(at) % 64, 0u) << "aligned";
+    EXPECT_GE(at, end) << "in layer order, not overlapping";
+    end = at + p.nbytes();
+    bytes += (static_cast<int64_t>(p.nbytes()) + 63) / 64 * 64;
+  }
+  // One allocation: no gaps beyond each parameter's rounding to 64 bytes
+  // (separate allocations would leave their headers between layers).
+  EXPECT_LE(end - first, bytes);
 }
 
 }  // namespace
