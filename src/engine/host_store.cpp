@@ -109,10 +109,10 @@ at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {
 
 at::Tensor HostStore::view_on_device(const at::Tensor& bytes, int64_t arena_offset, int64_t id) const {
   const HostParam& p = params_.at(id);
-  // The view bytes.narrow(0, offset, size).view(dtype).view(sizes) is, made
-  // directly: this runs for every parameter of every stage upload, where
-  // three dispatched view ops cost more than a small layer's copy. Offsets
-  // are kAlign-aligned, so the element offset is exact.
+  // bytes.narrow(0, offset, size).view(dtype).view(sizes), built directly:
+  // this runs for every parameter of every stage upload, where three
+  // dispatched view ops cost more than a small layer's copy. Offsets are
+  // kAlign-aligned, so the element offset is exact.
   const int64_t byte_offset = bytes.storage_offset() + arena_offset + p.offset;
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(bytes.storage()), bytes.key_set(), p.master.dtype());
   impl->set_storage_offset(byte_offset / static_cast<int64_t>(p.master.element_size()));

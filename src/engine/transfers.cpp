@@ -76,7 +76,7 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
   for (int64_t l = range.begin; l < range.end; ++l) {
     gated.push_back(l);
     if (!from_slab) continue;
-    for (int64_t id : store.layer(l).owned) source[id] = {0, true};
+    for (int64_t id : store.layer(l).owned) source[id] = {0, true};  // host[0]
   }
   for (int64_t l = range.begin; l < range.end; ++l) {
     for (int64_t id : store.layer(l).param_ids) {
@@ -113,8 +113,8 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
         params.push_back(moved[index]);
         continue;
       }
-      const int64_t owner_offset = store.layer(store.params()[id].owner).slab_offset - slab_begin;  // in moved[0]
-      params.push_back(store.view_on_device(moved[0], owner_offset, id));
+      const int64_t owner_offset = store.layer(store.params()[id].owner).slab_offset - slab_begin;
+      params.push_back(store.view_on_device(moved[index], owner_offset, id));
     }
     std::vector<at::Tensor> buffers;
     for (size_t b = 0; b < layers[l]->named_buffers().size(); ++b) buffers.push_back(moved[next_buffer++]);
