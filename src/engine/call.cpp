@@ -34,14 +34,17 @@ void Call::init_flow() {
   upload_fences_.assign(jobs.size(), nullptr);
 }
 
-void Call::find_last_readers() {
+void Call::find_readers() {
   const HostStore& store = *model.store;
-  last_reader.assign(model.layers->size(), -1);
+  readers.assign(model.layers->size(), {});
+  const auto add = [&](int64_t layer, int64_t job) {
+    if (readers[layer].empty() || readers[layer].back() != job) readers[layer].push_back(job);
+  };
   for (size_t j = 0; j < jobs.size(); ++j) {
     const LayerRange r = jobs[j].layers;
     for (int64_t l = r.begin; l < r.end; ++l) {
-      last_reader[l] = static_cast<int64_t>(j);
-      for (int64_t id : store.layer(l).param_ids) last_reader[store.params()[id].owner] = static_cast<int64_t>(j);
+      add(l, static_cast<int64_t>(j));
+      for (int64_t id : store.layer(l).param_ids) add(store.params()[id].owner, static_cast<int64_t>(j));
     }
   }
 }
@@ -56,29 +59,31 @@ void Call::stage_uploaded(int64_t job, FencePtr fence) {
 }
 
 void Call::wait_read(int64_t layer) {
-  const int64_t j = last_reader.empty() ? -1 : last_reader.at(layer);
-  if (j < 0) return;
-  FencePtr fence;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    host_cv_.wait(lock, [&] { return uploaded_[j] || finished_jobs_ == static_cast<int64_t>(jobs.size()); });
-    if (!uploaded_[j]) return;  // never uploaded: the call failed first
-    fence = upload_fences_[j];
-  }
-  if (!fence) return;
-  try {
-    fence->synchronize();
-  } catch (...) {
-    // The copy failed (the call fails with it): wait until nothing of the
-    // call can still read host memory.
-    jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
-    for (const auto& job_fences : fences) {
-      for (const auto& f : job_fences) {
-        try {
-          if (f) f->synchronize();
-        } catch (...) {
+  if (readers.empty()) return;
+  for (int64_t j : readers.at(layer)) {
+    FencePtr fence;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      host_cv_.wait(lock, [&] { return uploaded_[j] || finished_jobs_ == static_cast<int64_t>(jobs.size()); });
+      if (!uploaded_[j]) continue;  // never uploaded: the call failed first
+      fence = upload_fences_[j];
+    }
+    if (!fence) continue;
+    try {
+      fence->synchronize();
+    } catch (...) {
+      // The copy failed (the call fails with it): wait until nothing of the
+      // call can still read host memory.
+      jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
+      for (const auto& job_fences : fences) {
+        for (const auto& f : job_fences) {
+          try {
+            if (f) f->synchronize();
+          } catch (...) {
+          }
         }
       }
+      return;
     }
   }
 }

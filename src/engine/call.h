@@ -130,14 +130,16 @@ class Call {
   // writing it) is complete after these; the call waits for them all.
   std::vector<std::vector<FencePtr>> fences;
   std::vector<JobRecord> records;  // [job]: timing
-  // [layer]: the last job of the call whose stage upload reads the layer's
-  // host parameters (-1: none); set before the jobs are submitted.
-  std::vector<int64_t> last_reader;
+  // [layer]: the jobs of the call whose stage uploads read the layer's host
+  // parameters, in job order; set before the jobs are submitted. Every one
+  // counts: a later job's upload (a prefetch on another device) may complete
+  // before an earlier job's.
+  std::vector<std::vector<int64_t>> readers;
 
   void init_flow();
-  // last_reader from the jobs (a stage reads its layers and the owners of
-  // the tied parameters it uses).
-  void find_last_readers();
+  // readers from the jobs (a stage reads its layers and the owners of the
+  // tied parameters it uses).
+  void find_readers();
   // Blocks until `slot` is ready; throws Cancelled if the call failed.
   Slot wait(const Slot& slot);
   // wait() for a job's input slot, whose only consumer the job is: a value
@@ -155,7 +157,7 @@ class Call {
   // Job `job` issued its stage upload, complete after `fence` (null: now).
   void stage_uploaded(int64_t job, FencePtr fence);
   // Blocks until nothing of this call reads layer `layer`'s host parameters
-  // any more: its last reader's upload completed, or every job finished.
+  // any more: each reader's upload completed, or every job finished.
   void wait_read(int64_t layer);
   // The fused job handed microbatch m's loss (and outputs) to the host,
   // complete after `fence`.

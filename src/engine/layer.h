@@ -51,6 +51,9 @@ class Layer {
   virtual c10::IValue forward(int replica, std::vector<c10::IValue> args, Kwargs kwargs) = 0;
   // Drops every device tensor (and gradient) the replica holds.
   virtual void unbind(int replica) = 0;
+  // Makes the replicas of devices 0..count-1 now, on the user thread, for
+  // layers whose replicas cannot be made later without side effects.
+  virtual void make_replicas(int count) {}
 };
 
 // Points a replica's parameter and buffer variables at empty tensors and drops

@@ -57,6 +57,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
                       "RoundPipe: max_devices must be in 0..", pool.size(),
                       " (0 = all devices of the pool), got ", options.max_devices);
     num_devices = options.max_devices == 0 ? pool.size() : options.max_devices;
+    for (const auto& layer : layers) layer->make_replicas(static_cast<int>(num_devices));
     if (options.seed) {
       seed = *options.seed;
     } else {
@@ -239,7 +240,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     dispatcher().assign(call->jobs, num_devices, job_ms, call->num_microbatch,
                         last_call_overlaps ? CallIssue::kAtLosses : CallIssue::kAtEnd);
     call->programs = make_lane_programs(call->jobs, call->num_microbatch);
-    call->find_last_readers();
+    call->find_readers();
     std::vector<int64_t> devices;
     std::vector<std::function<void(Device&)>> tasks;
     for (size_t j = 0; j < call->jobs.size(); ++j) {

@@ -85,6 +85,13 @@ class ModuleLayer final : public Layer {
     release_replica_tensors(r.params, r.buffers);
   }
 
+  // A clone draws from the global CPU generator and restores it: made on a
+  // worker, while the caller seeds or draws from that generator, it would
+  // change the caller's random numbers.
+  void make_replicas(int count) override {
+    for (int r = 0; r < count; ++r) replica_for(r);
+  }
+
  private:
   struct Replica {
     std::shared_ptr<torch::nn::Module> module;
@@ -106,9 +113,10 @@ class ModuleLayer final : public Layer {
     return out + ") and " + std::to_string(kwargs.size()) + " keyword argument(s)";
   }
 
-  // Only device `replica`'s thread creates its replica, so creating it
-  // outside mu_ races with nobody; mu_ guards the map, never the clone (which
-  // takes the generator lock: holding both would invert lock order).
+  // Replicas are made on the user thread (at construction and by
+  // make_replicas), before any device runs the layer, so creating one outside
+  // mu_ races with nobody; mu_ guards the map, never the clone (which takes
+  // the generator lock: holding both would invert lock order).
   Replica& replica_for(int replica) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -2,6 +2,9 @@
 // included (random streams are keyed by seed, call, layer and microbatch).
 #include <gtest/gtest.h>
 
+#include <mutex>
+#include <thread>
+
 #include "copy_delay.h"
 #include "models.h"
 
@@ -60,6 +63,47 @@ TEST(DeviceCountInvariance, BitwiseIdenticalWithDelayedCopies) {
     expect_bitwise_equal(prompt, train(1, grain), "cpu:1, delayed copies");
     expect_bitwise_equal(prompt, train(3, grain), "cpu:3, delayed copies");
   }
+}
+
+// Records the thread of every reset(): a clone re-runs reset(), which draws
+// from the global generator.
+struct ResetThreadsImpl : torch::nn::Cloneable<ResetThreadsImpl> {
+  struct Log {
+    std::mutex mu;
+    std::vector<std::thread::id> threads;
+  };
+  explicit ResetThreadsImpl(std::shared_ptr<Log> log) : log(std::move(log)) { reset(); }
+  void reset() override {
+    {
+      std::lock_guard<std::mutex> lock(log->mu);
+      log->threads.push_back(std::this_thread::get_id());
+    }
+    linear = register_module("linear", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return linear(x); }
+  std::shared_ptr<Log> log;
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(ResetThreads);
+
+TEST(DeviceCountInvariance, ReplicasAreClonedOnTheThreadThatMakesTheModel) {
+  // A replica cloned on a device worker would save, draw from and restore
+  // the global generator while the caller draws from it during a call (with
+  // iteration overlap): the caller's random numbers would depend on timing.
+  auto log = std::make_shared<ResetThreadsImpl::Log>();
+  auto net = torch::nn::Sequential(ResetThreads(log), torch::nn::Tanh(), ResetThreads(log), torch::nn::Linear(4, 1));
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(3).set_seed(2));
+  // Three jobs per call over three devices: both layers run on devices
+  // other than the first.
+  const RunConfig cfg =
+      RunConfig().num_microbatch(2).execute_plan(ModelExecutePlan{{{0, 2}}, {{2, 4}, {0, 2}}});
+  for (int call = 0; call < 3; ++call) {
+    model.forward_backward({torch::randn({4, 4})}, make_kwargs(), torch::randn({4, 1}), mse_loss_fn(), false, cfg);
+    model.synchronize();
+  }
+  std::lock_guard<std::mutex> lock(log->mu);
+  EXPECT_EQ(log->threads.size(), 2u * (1 + 3));  // two layers: the original and three replicas each
+  for (const auto& id : log->threads) EXPECT_EQ(id, std::this_thread::get_id());
 }
 
 TEST(DeviceCountInvariance, DropoutIsActiveAndRecomputationRepeatsIt) {
