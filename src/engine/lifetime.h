@@ -27,8 +27,8 @@ void destroy_where_allowed(std::function<void()> destroy);
 // (null: none). Set once, before models exist.
 void set_wait_forbidden_check(bool (*check)());
 
-// Waits until every destruction handed to the reaper so far has run (for an
-// orderly exit; also runs at process exit).
+// Waits until every destruction handed to the reaper has run, including those
+// handed on while waiting (for an orderly exit; also runs at process exit).
 void wait_for_pending_destructions();
 
 }  // namespace roundpipe

@@ -75,6 +75,10 @@ class Engine {
   }
 
   ~Engine() {
+    // A closed engine (every engine once the interpreter exits) has nothing
+    // to wait for: it leaves the GIL alone, which an engine thread could not
+    // take back while the interpreter finalizes.
+    if (model_ == nullptr) return;
     // Device and optimizer threads may need the GIL to finish their work.
     py::gil_scoped_release nogil;
     model_.reset();

@@ -162,8 +162,11 @@ void ModelExecutePlan::validate(int64_t num_layers, RunKind kind) const {
     if (!fwd_plan.empty()) {
       TORCH_CHECK_VALUE(fwd_plan.back().end == fused.begin,
                         "the forward plan must end exactly where the fused stage begins: the last "
-                        "forward range is ",
-                        Str(fwd_plan.back()), " but the fused stage is ", Str(fused));
+                        "forward range ",
+                        Str(fwd_plan.back()), " ends at layer ", fwd_plan.back().end,
+                        " but the fused stage ", Str(fused), " begins at layer ", fused.begin,
+                        "; make the forward ranges cover ", Str(LayerRange{0, fused.begin}),
+                        " and nothing more");
     }
   }
 }

@@ -10,12 +10,14 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <future>
 #include <memory>
 #include <thread>
 
 #include "engine/layer.h"
 #include "engine/lifetime.h"
 #include "models.h"
+#include "util/worker_thread.h"
 
 namespace roundpipe {
 namespace {
@@ -210,6 +212,26 @@ TEST(Lifetime, BackwardAfterTheModelWasDroppedUsesTheEngineTheGraphHolds) {
   reference->forward(x_ref).pow(2).sum().backward();
   EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
   out = at::Tensor();  // the engine's last owner: destroyed here
+}
+
+// Destroying a model can hand on another (its optimizer thread's last task
+// drops a second model): waiting at exit covers the second too, else it would
+// run while the embedding tears down what it needs.
+TEST(Lifetime, WaitingForPendingDestructionsWaitsForTheOnesTheyHandOn) {
+  std::atomic<bool> second_done{false};
+  std::promise<void> handed_over;
+  WorkerThread engine_thread;  // an engine thread may not destroy: it hands over
+  engine_thread.post([&] {
+    destroy_where_allowed([&second_done] {
+      // Long enough that the caller waits while this one runs.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      destroy_where_allowed([&second_done] { second_done.store(true); });
+    });
+    handed_over.set_value();
+  });
+  handed_over.get_future().wait();
+  wait_for_pending_destructions();
+  EXPECT_TRUE(second_done.load());
 }
 
 }  // namespace

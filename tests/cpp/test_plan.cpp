@@ -178,9 +178,11 @@ TEST(PlanValidate, RejectsFusedStageNotEndingAtLastLayer) {
 TEST(PlanValidate, RejectsForwardNotEndingAtFusedStage) {
   ExpectRejected(Plan({{0, 2}}, {{3, 4}, {0, 3}}), 4, RunKind::kFused,
                  {"the forward plan must end exactly where the fused stage begins",
-                  "range(0, 2) but the fused stage is range(3, 4)"});
+                  "range(0, 2) ends at layer 2 but the fused stage range(3, 4) begins at layer 3",
+                  "make the forward ranges cover range(0, 3) and nothing more"});
   ExpectRejected(Plan({{0, 4}}, {{2, 4}, {0, 2}}), 4, RunKind::kFused,
-                 {"must end exactly where the fused stage begins", "range(0, 4)"});
+                 {"must end exactly where the fused stage begins",
+                  "range(0, 4) ends at layer 4 but the fused stage range(2, 4) begins at layer 2"});
   ExpectRejected(Plan({}, {{2, 4}, {0, 2}}), 4, RunKind::kFused,
                  {"the forward plan is empty but the fused stage is range(2, 4)",
                   "add forward ranges covering range(0, 2)"});
