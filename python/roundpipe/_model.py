@@ -24,9 +24,10 @@ def _close_live_engines():
     for engine in list(_live_engines):
         engine.close()
     # Models released where they could not be destroyed (on an engine thread,
-    # or under the GIL) are destroyed on another thread: let it finish while
-    # the interpreter still runs.
-    _C.wait_for_pending_destructions()
+    # or under the GIL) are destroyed on another thread, and an engine thread
+    # may still run Python (a step_fn collecting garbage): let both finish
+    # while the interpreter still runs, then keep engine threads out of it.
+    _C.close_engine_threads_gate()
 
 
 def _engines_of(models, who):

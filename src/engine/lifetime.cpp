@@ -61,6 +61,11 @@ void destroy_where_allowed(std::function<void()> destroy) {
 
 void set_wait_forbidden_check(bool (*check)()) { wait_forbidden.store(check); }
 
+int unfinished_destructions() {
+  std::lock_guard<std::mutex> lock(reaper_mu);
+  return unfinished;
+}
+
 void wait_for_pending_destructions() {
   std::unique_lock<std::mutex> lock(reaper_mu);
   if (reaper == nullptr || reaper->on_this_thread()) return;

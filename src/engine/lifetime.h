@@ -31,4 +31,7 @@ void set_wait_forbidden_check(bool (*check)());
 // handed on while waiting (for an orderly exit; also runs at process exit).
 void wait_for_pending_destructions();
 
+// The destructions handed to the reaper that have not finished yet.
+int unfinished_destructions();
+
 }  // namespace roundpipe

@@ -307,6 +307,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_device_names", &get_device_names, py::call_guard<py::gil_scoped_release>());
   m.def("wait_for_pending_destructions", &wait_for_pending_destructions,
         py::call_guard<py::gil_scoped_release>());
+  m.def("close_engine_threads_gate", &close_engine_threads_gate,
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_sync_warmup_steps", &set_sync_warmup_steps);
   m.def("get_sync_warmup_steps", &get_sync_warmup_steps);
   m.def("set_overlap_iterations", &set_overlap_iterations);

@@ -1,9 +1,20 @@
-// SharedPyObject and PythonError.
+// SharedPyObject, PythonError and the engine threads' gate into Python.
 #include "python/python_common.h"
+
+#include <condition_variable>
+#include <mutex>
+
+#include "engine/lifetime.h"
+#include "util/worker_thread.h"
 
 namespace roundpipe {
 namespace python {
 namespace {
+
+std::mutex gate_mu;
+std::condition_variable gate_empty;
+int threads_inside = 0;  // engine threads inside the gate, guarded by gate_mu
+bool gate_shut = false;  // guarded by gate_mu
 
 bool interpreter_alive() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -15,10 +26,39 @@ bool interpreter_alive() {
 
 }  // namespace
 
+EngineThreadGate::EngineThreadGate() {
+  if (!WorkerThread::on_a_worker_thread()) return;
+  std::lock_guard<std::mutex> lock(gate_mu);
+  entered_ = !gate_shut;
+  counted_ = entered_;
+  if (counted_) ++threads_inside;
+}
+
+EngineThreadGate::~EngineThreadGate() {
+  if (!counted_) return;
+  std::lock_guard<std::mutex> lock(gate_mu);
+  if (--threads_inside == 0) gate_empty.notify_all();
+}
+
+void close_engine_threads_gate() {
+  for (;;) {
+    // A destruction may run Python (a step_fn it waits for); a thread inside
+    // may hand on a destruction: wait until both have run out at once.
+    wait_for_pending_destructions();
+    std::unique_lock<std::mutex> lock(gate_mu);
+    gate_empty.wait(lock, [] { return threads_inside == 0; });
+    if (unfinished_destructions() == 0) {
+      gate_shut = true;
+      return;
+    }
+  }
+}
+
 SharedPyObject::SharedPyObject(py::object obj)
     : obj_(new py::object(std::move(obj)), [](py::object* p) {
-        if (!interpreter_alive()) {
-          p->release();  // the interpreter is gone: nothing to give back
+        EngineThreadGate gate;
+        if (!gate.entered() || !interpreter_alive()) {
+          p->release();  // the interpreter is gone or going: nothing to give back
           delete p;
           return;
         }
@@ -47,7 +87,8 @@ PythonError PythonError::fetch() {
 }
 
 PythonError::~PythonError() {
-  if (!interpreter_alive()) type = value = traceback = nullptr;
+  EngineThreadGate gate;
+  if (!gate.entered() || !interpreter_alive()) type = value = traceback = nullptr;
 }
 
 void PythonError::add_context(const std::string& context) {

@@ -48,10 +48,35 @@ class PythonError : public ::python_error, public ContextualError {
   void add_context(const std::string& context) override;
 };
 
+// Engine threads enter Python only through this gate (a Python call, the
+// release of a Python object). At exit, close_engine_threads_gate() waits
+// until no engine thread is inside, then shuts it: later a Python call fails
+// and an object is leaked, since an engine thread that asked for the GIL
+// while the interpreter finalizes would be ended on the spot. Other threads
+// always pass, uncounted.
+class EngineThreadGate {
+ public:
+  EngineThreadGate();  // enters, unless this is an engine thread and the gate is shut
+  ~EngineThreadGate();
+  EngineThreadGate(const EngineThreadGate&) = delete;
+  EngineThreadGate& operator=(const EngineThreadGate&) = delete;
+  bool entered() const { return entered_; }
+
+ private:
+  bool entered_ = true;
+  bool counted_ = false;
+};
+
+// Waits (GIL released) until no destruction is pending and no engine thread
+// is inside the gate, then shuts the gate. For the interpreter's exit.
+void close_engine_threads_gate();
+
 // Runs a Python call site: GIL taken, pybind11's error turned into
 // PythonError.
 template <typename Fn>
 auto call_python(Fn&& fn) -> decltype(fn()) {
+  EngineThreadGate gate;  // declared first: the GIL is given back before it is left
+  TORCH_CHECK(gate.entered(), "the Python interpreter is exiting: engine threads no longer run Python code");
   py::gil_scoped_acquire gil;
   try {
     return fn();
