@@ -365,3 +365,24 @@ def test_conditional_dropout_is_recomputed_exactly(grain):
         for p, q in zip(list(net.parameters()), reference.parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
             p.grad = None
+
+
+SHUT_OUT_AT_EXIT = """
+from roundpipe import _C
+model = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+x, y = torch.randn(4, 4), torch.randn(4, 1)
+loss = torch.nn.functional.mse_loss
+model.forward_backward(input_args=(x,), label=y, loss_fn=loss)
+_C.close_engine_threads_gate()  # what the interpreter's exit does
+try:
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss)
+except RuntimeError as e:
+    assert "the Python interpreter is exiting" in str(e), e
+    print("done")
+"""
+
+
+def test_engine_threads_shut_out_of_python_at_exit_fail_with_a_clear_error():
+    # Once exit has shut the gate, an engine thread asking for the GIL could be
+    # ended by the finalizing interpreter: it raises instead, and nothing hangs.
+    run_script(SHUT_OUT_AT_EXIT, "cpu:2")
