@@ -72,18 +72,21 @@ void Call::wait_read(int64_t layer) {
     try {
       fence->synchronize();
     } catch (...) {
-      // The copy failed (the call fails with it): wait until nothing of the
-      // call can still read host memory.
-      jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
-      for (const auto& job_fences : fences) {
-        for (const auto& f : job_fences) {
-          try {
-            if (f) f->synchronize();
-          } catch (...) {
-          }
-        }
-      }
+      // The copy failed (the call fails with it).
+      wait_until_no_copy_runs();
       return;
+    }
+  }
+}
+
+void Call::wait_until_no_copy_runs() {
+  jobs_done_.wait_for(static_cast<int64_t>(jobs.size()));
+  for (const auto& job_fences : fences) {
+    for (const auto& f : job_fences) {
+      try {
+        if (f) f->synchronize();
+      } catch (...) {
+      }
     }
   }
 }

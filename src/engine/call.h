@@ -167,6 +167,9 @@ class Call {
   bool wait_losses();
 
  private:
+  // Waits until every job finished and every copy of the call completed or
+  // failed: nothing of the call reads host memory any more.
+  void wait_until_no_copy_runs();
   std::mutex mu_;
   // Two conditions, so that a value handed between workers does not wake the
   // host, nor a job's progress the workers: `slots_cv_` for the workers'
