@@ -4,9 +4,10 @@
 #include <ATen/Context.h>
 
 #include <unordered_map>
-#include <unordered_set>
+#include <utility>
 
 #include "runtime/cuda_memory.h"
+#include "runtime/host_memory.h"
 
 namespace roundpipe {
 namespace {
@@ -61,9 +62,13 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode 
     // One slab of the exact size (rounded to the alignment only): no
     // power-of-two blow-up, which torch's pinned allocator would add, and
     // the layers of a stage are one range of it, uploaded in one copy.
-    slab_ = page_lock && cuda::built_with_cuda()
-                ? cuda::page_locked_bytes(slab_bytes)
-                : at::empty({slab_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(page_lock));
+    if (!page_lock) {
+      slab_ = mapped_bytes(slab_bytes);
+    } else if (cuda::built_with_cuda()) {
+      slab_ = cuda::page_locked_bytes(slab_bytes);
+    } else {  // another accelerator: its own pinned allocator
+      slab_ = at::empty({slab_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
     for (HostLayer& hl : layers_) {
       hl.arena = slab_.narrow(0, hl.slab_offset, hl.arena_bytes);
       for (int64_t id : hl.owned) {
@@ -76,17 +81,19 @@ HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode 
     }
   }
   if (mode == PinMode::kRegister && page_lock && cuda::built_with_cuda()) {
-    // Each storage once (tensors loaded from one file may share a mapping);
-    // memory the caller already page-locked stays as it is.
-    std::unordered_set<const void*> seen;
+    // The whole pages of every storage (tensors loaded from one file may
+    // share a mapping, small ones share pages of the heap), each page once;
+    // memory page-locked already stays as it is.
+    std::vector<std::pair<uintptr_t, int64_t>> storages;
+    for (const HostParam& p : params_) {
+      const c10::Storage& storage = p.master.storage();
+      if (storage.mutable_data() == nullptr) continue;
+      storages.emplace_back(reinterpret_cast<uintptr_t>(storage.mutable_data()), static_cast<int64_t>(storage.nbytes()));
+    }
     try {
-      for (const HostParam& p : params_) {
-        const c10::Storage& storage = p.master.storage();
-        void* data = storage.mutable_data();
-        if (data == nullptr || storage.nbytes() == 0 || !seen.insert(data).second) continue;
-        if (cuda::is_page_locked(data)) continue;
-        cuda::register_page_locked(data, static_cast<int64_t>(storage.nbytes()));
-        registered_.push_back(data);
+      for (const auto& [address, bytes] : covering_pages(std::move(storages))) {
+        void* data = reinterpret_cast<void*>(address);
+        if (cuda::register_page_locked(data, bytes)) registered_.push_back(data);
       }
     } catch (...) {
       for (void* data : registered_) cuda::unregister_page_locked(data);

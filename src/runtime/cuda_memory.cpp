@@ -2,50 +2,83 @@
 #include "runtime/cuda_memory.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "runtime/host_memory.h"
 
 namespace roundpipe {
 namespace cuda {
 
+namespace {
+
+// The host memory roundpipe has page-locked: address -> bytes. Never
+// destroyed: a model may outlive static destruction.
+struct Registered {
+  std::mutex mu;
+  std::unordered_map<const void*, int64_t> bytes;
+};
+Registered& registered() {
+  static auto* r = new Registered;
+  return *r;
+}
+
+// Page-locks [ptr, ptr + bytes) and records it; false (CUDA's error cleared,
+// `err` set) when CUDA refuses.
+bool lock_pages(void* ptr, int64_t bytes, cudaError_t& err) {
+  err = cudaHostRegister(ptr, static_cast<size_t>(bytes), cudaHostRegisterPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(registered().mu);
+  registered().bytes[ptr] = bytes;
+  return true;
+}
+
+}  // namespace
+
 bool built_with_cuda() { return true; }
 
 at::Tensor page_locked_bytes(int64_t bytes) {
-  TORCH_CHECK_VALUE(bytes >= 0, "page_locked_bytes: bytes must be >= 0, got ", bytes);
-  void* ptr = nullptr;
-  if (bytes > 0) {
-    const cudaError_t err = cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocPortable);
-    TORCH_CHECK(err == cudaSuccess, "cudaHostAlloc of ", bytes,
-                " page-locked bytes failed: ", cudaGetErrorString(err));
-  }
-  return at::from_blob(
-      ptr, {bytes},
-      [](void* p) {
-        if (p != nullptr) cudaFreeHost(p);
-      },
-      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  // Faulted in by parallel threads, then page-locked in one call: one
+  // registration, so a copy may span any range of it, and the driver's
+  // global lock is taken once, after the slow part.
+  at::Tensor out = mapped_bytes(bytes, [](void* p) { unregister_page_locked(p); });
+  cudaError_t err = cudaSuccess;
+  TORCH_CHECK(bytes == 0 || lock_pages(out.data_ptr(), bytes, err), "page-locking ", bytes,
+              " bytes of host memory for the model's parameters failed: ", cudaGetErrorString(err),
+              "; use pin_model='off' to train from unpinned memory");
+  return out;
 }
 
-void register_page_locked(void* ptr, int64_t bytes) {
-  const cudaError_t err = cudaHostRegister(ptr, static_cast<size_t>(bytes), cudaHostRegisterPortable);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    TORCH_CHECK(false, "pin_model='register': cudaHostRegister of ", bytes, " bytes of parameter memory failed: ",
-                cudaGetErrorString(err), "; use pin_model='alloc' (copy into page-locked arenas) or 'off'");
-  }
+bool register_page_locked(void* ptr, int64_t bytes) {
+  cudaError_t err = cudaSuccess;
+  if (lock_pages(ptr, bytes, err)) return true;
+  if (err == cudaErrorHostMemoryAlreadyRegistered) return false;
+  TORCH_CHECK(false, "pin_model='register': cudaHostRegister of ", bytes, " bytes of parameter memory failed: ",
+              cudaGetErrorString(err), "; use pin_model='alloc' (copy into page-locked arenas) or 'off'");
 }
 
 void unregister_page_locked(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(registered().mu);
+    if (registered().bytes.erase(ptr) == 0) return;  // never locked (its registration failed)
+  }
   if (cudaHostUnregister(ptr) != cudaSuccess) (void)cudaGetLastError();
 }
 
-bool is_page_locked(const void* ptr) {
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky-free error state of the query
-    return false;
+int64_t page_locked_host_bytes() {
+  int64_t own = 0;
+  {
+    std::lock_guard<std::mutex> lock(registered().mu);
+    for (const auto& [ptr, bytes] : registered().bytes) own += bytes;
   }
-  return attributes.type == cudaMemoryTypeHost;
+  return own + at::getHostAllocator(at::kCUDA)->get_stats().allocated_bytes.current;
 }
 
 namespace {

@@ -18,18 +18,23 @@ namespace cuda {
 // is present).
 bool built_with_cuda();
 
-// A uint8 CPU tensor of exactly `bytes` bytes of page-locked memory
-// (cudaHostAlloc), freed when its storage goes. c10::Error if CUDA refuses.
+// A uint8 CPU tensor of exactly `bytes` bytes of page-locked memory: a
+// mapping of host_memory.h (pages faulted in by parallel threads) registered
+// with CUDA in one cudaHostRegister; unregistered and unmapped when its
+// storage goes. c10::Error if CUDA refuses.
 at::Tensor page_locked_bytes(int64_t bytes);
 
 // Page-locks `bytes` of existing host memory at `ptr` in place
-// (cudaHostRegister); c10::Error saying so if CUDA refuses.
+// (cudaHostRegister): true; false when some of it was page-locked already
+// (by its owner or another model: left as it is); c10::Error saying so if
+// CUDA refuses otherwise.
 // unregister_page_locked undoes it (errors ignored: called from destructors).
-void register_page_locked(void* ptr, int64_t bytes);
+bool register_page_locked(void* ptr, int64_t bytes);
 void unregister_page_locked(void* ptr);
 
-// True when `ptr` lies in page-locked host memory known to CUDA.
-bool is_page_locked(const void* ptr);
+// Page-locked host bytes now: roundpipe's (slabs, memory registered in
+// place) and torch's pinned allocator's (blocks in use or cached).
+int64_t page_locked_host_bytes();
 
 // The caching allocator's bytes in use on CUDA device `index`, now and at
 // the peak since the last reset.

@@ -17,9 +17,9 @@ namespace {
 
 bool built_with_cuda() { return false; }
 at::Tensor page_locked_bytes(int64_t) { unavailable("page_locked_bytes"); }
-void register_page_locked(void*, int64_t) { unavailable("register_page_locked"); }
+bool register_page_locked(void*, int64_t) { unavailable("register_page_locked"); }
 void unregister_page_locked(void*) {}
-bool is_page_locked(const void*) { return false; }
+int64_t page_locked_host_bytes() { return 0; }
 int64_t allocated_bytes(int) { unavailable("allocated_bytes"); }
 int64_t peak_allocated_bytes(int) { unavailable("peak_allocated_bytes"); }
 void reset_peak_allocated_bytes(int) { unavailable("reset_peak_allocated_bytes"); }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/host_store.h"
+#include "runtime/cuda_memory.h"
 #include "models.h"
 
 namespace roundpipe {
@@ -53,6 +54,41 @@ TEST(Gpu, ParameterArenasArePageLocked) {
   torch::nn::Sequential net = make_mlp();
   RoundPipe model(net);
   for (const auto& p : net->parameters()) EXPECT_TRUE(p.is_pinned());
+}
+
+TEST(Gpu, TheSlabPageLocksExactlyTheParametersAndIsReleasedWithTheModel) {
+  SKIP_WITHOUT_CUDA();
+  const int64_t before = cuda::page_locked_host_bytes();
+  int64_t param_bytes = 0;
+  {
+    torch::nn::Sequential net = make_mlp(256, 6, 8);
+    for (const auto& p : net->parameters()) param_bytes += p.numel() * p.element_size();
+    RoundPipe model(net);
+    const int64_t locked = cuda::page_locked_host_bytes() - before;
+    EXPECT_GE(locked, param_bytes);
+    EXPECT_LE(locked, param_bytes + 64 * static_cast<int64_t>(net->parameters().size()))
+        << "one slab of the exact size (64-byte alignment), no power-of-two rounding";
+  }
+  EXPECT_EQ(cuda::page_locked_host_bytes(), before);
+}
+
+TEST(Gpu, RegisterPageLocksTheModelsOwnMemoryInPlaceUntilTheModelGoes) {
+  SKIP_WITHOUT_CUDA();
+  torch::nn::Sequential net = make_mlp();
+  std::vector<const void*> ptrs;
+  for (const auto& p : net->parameters()) {
+    EXPECT_FALSE(p.is_pinned());
+    ptrs.push_back(p.data_ptr());
+  }
+  {
+    RoundPipe model(net, RoundPipeOptions().set_pin_model(PinMode::kRegister));
+    const auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].data_ptr(), ptrs[i]) << "in place";
+      EXPECT_TRUE(params[i].is_pinned()) << i;
+    }
+  }
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.is_pinned()) << "unregistered with the model";
 }
 
 // Allocates far more than any device has.

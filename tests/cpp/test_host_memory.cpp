@@ -1,0 +1,78 @@
+// mapped_bytes: the exact-size host memory of the parameter slab, its pages
+// faulted in when it is made, unmapped when its storage goes.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "runtime/host_memory.h"
+
+namespace roundpipe {
+namespace {
+
+const int64_t kPage = ::sysconf(_SC_PAGESIZE);
+
+// How many of the pages of [data, data + bytes) are resident.
+int64_t resident_pages(const void* data, int64_t bytes) {
+  const int64_t pages = (bytes + kPage - 1) / kPage;
+  std::vector<unsigned char> in_core(static_cast<size_t>(pages));
+  EXPECT_EQ(::mincore(const_cast<void*>(data), static_cast<size_t>(bytes), in_core.data()), 0);
+  int64_t resident = 0;
+  for (unsigned char c : in_core) resident += c & 1;
+  return resident;
+}
+
+TEST(HostMemory, MappedBytesAreExactZeroedResidentAndUnmappedWithTheirStorage) {
+  // Several fault-in threads' worth, and not a whole number of pages.
+  const int64_t bytes = (int64_t{3} << 26) + 100;
+  void* unmapped = nullptr;
+  {
+    at::Tensor t = mapped_bytes(bytes, [&](void* p) { unmapped = p; });
+    ASSERT_EQ(t.numel(), bytes);
+    EXPECT_EQ(t.scalar_type(), at::kByte);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % kPage, 0u);
+    EXPECT_EQ(resident_pages(t.data_ptr(), bytes), (bytes + kPage - 1) / kPage)
+        << "every page is faulted in when the memory is made";
+    EXPECT_EQ(t.sum().item<int64_t>(), 0);
+    t.fill_(7);  // the last, partial page is writable too
+    EXPECT_EQ(t[bytes - 1].item<int64_t>(), 7);
+    at::Tensor view = t.narrow(0, 5, 10);
+    const void* data = t.data_ptr();
+    t.reset();
+    EXPECT_EQ(unmapped, nullptr) << "a view keeps the mapping";
+    view.reset();
+    EXPECT_EQ(unmapped, data);
+  }
+}
+
+TEST(HostMemory, EmptyAndNegativeSizes) {
+  EXPECT_EQ(mapped_bytes(0).numel(), 0);
+  EXPECT_THROW(mapped_bytes(-1), c10::ValueError);
+}
+
+TEST(HostMemory, FaultInThreadsGrowWithTheSizeUpToTheCores) {
+  const int64_t mib = int64_t{1} << 20;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(fault_in_threads(0), 1);
+  EXPECT_EQ(fault_in_threads(100 * mib), 1);
+  EXPECT_EQ(fault_in_threads(128 * mib), std::min(2, cores));
+  EXPECT_EQ(fault_in_threads(int64_t{1} << 40), std::min(16, cores));
+}
+
+TEST(HostMemory, CoveringPagesRoundOutToPagesAndMergeWhatOverlapsOrTouches) {
+  const uintptr_t p = 1000 * static_cast<uintptr_t>(kPage);
+  using Ranges = std::vector<std::pair<uintptr_t, int64_t>>;
+  // Two small tensors sharing a page, one touching the next page, one far
+  // away, one empty.
+  const Ranges ranges = {{p + 5 * kPage, 10}, {p + 100, 64}, {p + 200, 64}, {p + kPage - 8, 16}, {p + 9 * kPage, 0}};
+  EXPECT_EQ(covering_pages(ranges), (Ranges{{p, 2 * kPage}, {p + 5 * kPage, kPage}}));
+  EXPECT_EQ(covering_pages({{p + kPage, kPage}, {p, kPage}}), (Ranges{{p, 2 * kPage}})) << "touching pages merge";
+  EXPECT_TRUE(covering_pages({}).empty());
+}
+
+}  // namespace
+}  // namespace roundpipe
