@@ -6,9 +6,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <malloc.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <algorithm>
 #include <array>
 #include <condition_variable>
 #include <exception>
@@ -26,6 +28,7 @@
 #include "engine/param_gate.h"
 #include "engine/rng.h"
 #include "engine/tracer.h"
+#include "engine/value_tree.h"
 #include "roundpipe/auto_plan.h"
 #include "roundpipe/model.h"
 #include "roundpipe/optimizer.h"
@@ -213,6 +216,38 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       slot.value = c10::ivalue::Tuple::create({args, kwargs});
       slot.ready = true;
     }
+    wait_for_callers_streams(call);
+  }
+
+  // Inputs and labels on an accelerator were made by work queued on the
+  // caller's current stream, which the devices' lanes do not wait for: the
+  // caller's thread waits for it here, before any job reads them.
+  static void wait_for_callers_streams(const Call& call) {
+    std::vector<c10::Device> waited;
+    auto wait = [&](const c10::IValue& value) {
+      for (const at::Tensor& t : flatten_tensors(value)) {
+        if (!t.defined() || t.is_cpu() || !c10::impl::hasDeviceGuardImpl(t.device().type()) ||
+            std::find(waited.begin(), waited.end(), t.device()) != waited.end()) {
+          continue;
+        }
+        waited.push_back(t.device());
+        c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()).synchronize();
+      }
+    };
+    for (int64_t m = 0; m < call.num_microbatch; ++m) wait(call.flow[0][m].value);
+    for (const c10::IValue& label : call.labels) wait(label);
+  }
+
+  // The call's own copy of its inputs, for a call that returns before its
+  // backward stages have read them: the caller may reuse its tensors then.
+  static void own_inputs(Call& call) {
+    for (int64_t m = 0; m < call.num_microbatch; ++m) {
+      c10::IValue& value = call.flow[0][m].value;
+      std::vector<at::Tensor> copies;
+      for (const at::Tensor& t : flatten_tensors(value)) copies.push_back(t.defined() ? t.clone() : t);
+      value = replace_tensors(value, copies);
+    }
+    wait_for_callers_streams(call);  // the copies of accelerator inputs
   }
 
   // Runs every job of `call` (its jobs and flow already set) on the devices

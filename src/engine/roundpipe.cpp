@@ -267,6 +267,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   for (int64_t mb = 0; mb < n && overlap; ++mb) {
     for (const at::Tensor& t : flatten_tensors(call->flow[0][mb].value)) overlap = overlap && !t.requires_grad();
   }
+  if (overlap) Impl::own_inputs(*call);
   // Submitted before the call in flight is finished: its jobs queue behind
   // that call's last backward stages.
   m.submit(call);

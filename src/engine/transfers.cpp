@@ -10,8 +10,9 @@ namespace roundpipe {
 namespace {
 
 // Completes once the parameters of the given layers hold write
-// `generation`: an upload issued after it waits on its lane, not on the
-// worker, so the worker goes on queueing compute.
+// `generation`: on a CPU device an upload issued after it waits on its
+// lane, not on the worker, so the worker goes on queueing compute (an
+// accelerator's worker synchronizes it, see transfers.h).
 class ParamGateFence final : public Fence {
  public:
   ParamGateFence(const ParamGate* gate, std::vector<int64_t> layers, int64_t generation)

@@ -113,6 +113,11 @@ class AcceleratorDevice final : public Device {
       // Allocated on `stream`, used on the compute stream: the allocator
       // must not reuse it before the compute stream is done with it.
       impl->recordDataPtrOnStream(out[i].storage().data_ptr(), compute_stream());
+      // A caller's input on an accelerator, read here on `stream`: its
+      // memory must outlive this copy however soon the caller frees it.
+      if (host[i].device().type() == device_.type()) {
+        impl->recordDataPtrOnStream(host[i].storage().data_ptr(), stream);
+      }
     }
     return out;
   }

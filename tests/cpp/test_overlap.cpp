@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -47,8 +48,9 @@ struct Trained {
   std::vector<at::Tensor> params;
 };
 
-// `iterations` asynchronous SGD steps (momentum) over fixed batches.
-Trained train(bool overlap, int64_t devices, int iterations = 5) {
+// `iterations` asynchronous SGD steps (momentum) over fixed batches; with
+// `scribble`, the caller overwrites each batch as soon as its call returns.
+Trained train(bool overlap, int64_t devices, int iterations = 5, bool scribble = false) {
   Overlap mode(overlap);
   torch::manual_seed(7);
   RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(devices).set_seed(11));
@@ -59,6 +61,7 @@ Trained train(bool overlap, int64_t devices, int iterations = 5) {
     torch::manual_seed(100 + i);
     at::Tensor x = torch::randn({6, 16}), y = torch::randn({6, 4});
     c10::IValue loss = model.forward_backward({x}, make_kwargs(), y, testing::mse_loss_fn(), false, cfg);
+    if (scribble) x.fill_(std::numeric_limits<float>::quiet_NaN());
     out.losses.push_back(loss.toTensor().item<double>());
     model.step([&] {
       opt.step();
@@ -90,6 +93,17 @@ TEST(IterationOverlap, BitwiseTheResultsWithoutOverlapWithDelayedCopies) {
   const Trained reference = train(/*overlap=*/false, 3);
   testing::CopyDelay delay(500);
   expect_bitwise_equal(train(/*overlap=*/true, 3), reference);
+}
+
+TEST(IterationOverlap, TheCallerMayReuseItsInputsAsSoonAsTheCallReturns) {
+  // The backward stages still running read the call's own copy of the
+  // inputs: slow layers keep them running long after the call returned.
+  const Trained reference = train(/*overlap=*/false, 3);
+  auto devices = testing::cpu_devices();
+  for (int d = 0; d < 3; ++d) devices.at(d)->set_layer_delay(std::chrono::milliseconds(2));
+  const Trained scribbled = train(/*overlap=*/true, 3, 5, /*scribble=*/true);
+  for (int d = 0; d < 3; ++d) devices.at(d)->set_layer_delay(std::chrono::microseconds(0));
+  expect_bitwise_equal(scribbled, reference);
 }
 
 TEST(IterationOverlap, TheNextCallStartsBeforeThePreviousOneEnds) {
