@@ -18,14 +18,15 @@
 namespace roundpipe {
 namespace {
 
-// Events are reused: creating and destroying one per copy costs more than
-// the copy of a small tensor.
+// Events are reused: creating and destroying one per copy (or two per
+// layer computation, for its time) costs more than the copy of a small
+// tensor. One pool per kind: fences (no timing) and time marks.
 class EventPool {
  public:
-  explicit EventPool(c10::DeviceType type) : type_(type) {}
+  EventPool(c10::DeviceType type, c10::EventFlag flag) : type_(type), flag_(flag) {}
   std::unique_ptr<c10::Event> take() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (free_.empty()) return std::make_unique<c10::Event>(type_, c10::EventFlag::PYTORCH_DEFAULT);
+    if (free_.empty()) return std::make_unique<c10::Event>(type_, flag_);
     std::unique_ptr<c10::Event> event = std::move(free_.back());
     free_.pop_back();
     return event;
@@ -37,6 +38,7 @@ class EventPool {
 
  private:
   c10::DeviceType type_;
+  c10::EventFlag flag_;
   std::mutex mu_;
   std::vector<std::unique_ptr<c10::Event>> free_;
 };
@@ -60,27 +62,32 @@ class EventFence final : public Fence {
 // A timing event recorded on a lane's stream: device time between two marks.
 class EventMark final : public TimeMark {
  public:
-  explicit EventMark(const c10::Stream& stream)
-      : TimeMark(host_now_ms()), event_(stream.device_type(), c10::EventFlag::BACKEND_DEFAULT) {
-    event_.record(stream);
+  EventMark(std::shared_ptr<EventPool> pool, const c10::Stream& stream)
+      : TimeMark(host_now_ms()), pool_(std::move(pool)), event_(pool_->take()) {
+    event_->record(stream);
   }
+  ~EventMark() override { pool_->give_back(std::move(event_)); }
   double ms_since(const TimeMark& earlier) const override {
     if (auto* e = dynamic_cast<const EventMark*>(&earlier)) {
-      e->event_.synchronize();
-      event_.synchronize();
-      return e->event_.elapsedTime(event_);
+      e->event_->synchronize();
+      event_->synchronize();
+      return e->event_->elapsedTime(*event_);
     }
     return TimeMark::ms_since(earlier);
   }
 
  private:
-  c10::Event event_;
+  std::shared_ptr<EventPool> pool_;
+  std::unique_ptr<c10::Event> event_;
 };
 
 class AcceleratorDevice final : public Device {
  public:
   AcceleratorDevice(int pool_index, c10::Device device)
-      : Device(pool_index, device.str()), device_(device), events_(std::make_shared<EventPool>(device.type())) {
+      : Device(pool_index, device.str()),
+        device_(device),
+        events_(std::make_shared<EventPool>(device.type(), c10::EventFlag::PYTORCH_DEFAULT)),
+        timing_events_(std::make_shared<EventPool>(device.type(), c10::EventFlag::BACKEND_DEFAULT)) {
     const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
     for (auto& stream : streams_) stream = impl->getStreamFromGlobalPool(device);
     start_worker();
@@ -149,7 +156,7 @@ class AcceleratorDevice final : public Device {
     for (const auto& stream : streams_) stream.synchronize();
   }
   MarkPtr mark(Lane lane) override {
-    return std::make_shared<EventMark>(streams_[static_cast<int>(lane)]);
+    return std::make_shared<EventMark>(timing_events_, streams_[static_cast<int>(lane)]);
   }
 
  protected:
@@ -170,7 +177,8 @@ class AcceleratorDevice final : public Device {
   }
 
   c10::Device device_;
-  std::shared_ptr<EventPool> events_;
+  std::shared_ptr<EventPool> events_;         // fences
+  std::shared_ptr<EventPool> timing_events_;  // time marks
   std::array<c10::Stream, 4> streams_{
       {c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)),
        c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)),
