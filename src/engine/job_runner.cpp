@@ -274,8 +274,16 @@ class JobRunner {
     c10::IValue x = std::move(x_);
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       if (c_.saves_for_backward && c_.backward_starts[l]) {
-        // Layer 0's input is kept as the caller gave it (autograd history).
-        c_.publish(c_.record->stage_inputs[l][m], l == 0 ? in_ : hand_off(x, -1, m));
+        if (l == job_.layers.begin && in_.device != dev_.index()) {
+          // On the host already (layer 0's as the caller gave it, with its
+          // autograd history): x is this device's copy of it.
+          c_.publish(c_.record->stage_inputs[l][m], in_);
+        } else {
+          c_.publish(c_.record->stage_inputs[l][m], hand_off(x, -1, m));
+          // The download still reads x: the layer gets its own copy, which
+          // it may change in place (e.g. ReLU(inplace=True)).
+          x = clone_tensors(x);
+        }
       }
       x = run_layer(l, std::move(x), m, mode);
     }
@@ -333,7 +341,8 @@ class JobRunner {
       at::NoGradGuard no_grad;
       inputs.push_back(input);
       for (int64_t l = range.begin; l + 1 < range.end; ++l) {
-        inputs.push_back(run_layer(l, inputs.back(), m, RunMode::kRecompute));
+        // Layer l gets a copy of its kept input, which it may change in place.
+        inputs.push_back(run_layer(l, clone_tensors(inputs.back()), m, RunMode::kRecompute));
       }
     }
     c10::IValue input_grads;

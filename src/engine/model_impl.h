@@ -243,9 +243,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   static void own_inputs(Call& call) {
     for (int64_t m = 0; m < call.num_microbatch; ++m) {
       c10::IValue& value = call.flow[0][m].value;
-      std::vector<at::Tensor> copies;
-      for (const at::Tensor& t : flatten_tensors(value)) copies.push_back(t.defined() ? t.clone() : t);
-      value = replace_tensors(value, copies);
+      value = clone_tensors(value);
     }
     wait_for_callers_streams(call);  // the copies of accelerator inputs
   }

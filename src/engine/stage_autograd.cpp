@@ -2,23 +2,44 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "engine/value_tree.h"
 
 namespace roundpipe {
+
+namespace {
+
+// The identity on a leaf, as a tensor that shares its memory but is not
+// the leaf itself: a layer may then change its input in place (ReLU with
+// inplace=True), which autograd refuses on a leaf that requires grad. The
+// layer's input is the stage's own device copy, needed only for the
+// gradient that reaches the leaf.
+struct StageInput : torch::autograd::Function<StageInput> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& leaf) { return leaf.detach(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return grads;
+  }
+};
+
+}  // namespace
 
 std::pair<c10::IValue, std::vector<at::Tensor>> make_leaves(const c10::IValue& value,
                                                             const c10::IValue& original,
                                                             int64_t start_layer) {
   std::vector<at::Tensor> host = flatten_tensors(original);
   std::vector<at::Tensor> leaves = flatten_tensors(value);
+  std::vector<at::Tensor> inputs(leaves.size());
   for (size_t i = 0; i < leaves.size(); ++i) {
     if (!leaves[i].defined()) continue;
     bool wants_grad = at::isFloatingType(leaves[i].scalar_type()) &&
                       (start_layer != 0 || host[i].requires_grad());
     leaves[i] = leaves[i].detach().requires_grad_(wants_grad);
+    at::AutoGradMode grad(true);
+    inputs[i] = wants_grad ? StageInput::apply(leaves[i]) : leaves[i];
   }
-  return {replace_tensors(value, leaves), leaves};
+  return {replace_tensors(value, inputs), leaves};
 }
 
 c10::IValue leaf_grads(const std::vector<at::Tensor>& leaves) {

@@ -16,8 +16,10 @@
 namespace roundpipe {
 
 // `value` (a slot's value moved to the device) with every tensor a fresh
-// leaf; floating-point tensors require grad (at layer 0 only those of the
-// slot's `original` value, the caller's tensors, that required grad).
+// leaf, and the leaves; floating-point tensors require grad (at layer 0
+// only those of the slot's `original` value, the caller's tensors, that
+// required grad), and the value holds them through an identity that the
+// first layer may change in place.
 std::pair<c10::IValue, std::vector<at::Tensor>> make_leaves(const c10::IValue& value,
                                                             const c10::IValue& original,
                                                             int64_t start_layer);

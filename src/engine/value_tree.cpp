@@ -60,6 +60,10 @@ c10::IValue map_tensors(const c10::IValue& value, const std::function<at::Tensor
   return rebuild(value, fn);
 }
 
+c10::IValue clone_tensors(const c10::IValue& value) {
+  return rebuild(value, [](const at::Tensor& t) { return t.defined() ? t.clone() : t; });
+}
+
 c10::IValue replace_tensors(const c10::IValue& value, const std::vector<at::Tensor>& tensors) {
   size_t next = 0;
   c10::IValue out = rebuild(value, [&](const at::Tensor&) {

@@ -15,6 +15,9 @@ std::vector<at::Tensor> flatten_tensors(const c10::IValue& value);
 // The same structure with every tensor leaf replaced by fn(leaf).
 c10::IValue map_tensors(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor&)>& fn);
 
+// The same structure with every tensor leaf cloned (its own memory).
+c10::IValue clone_tensors(const c10::IValue& value);
+
 // The same structure with tensor leaves taken, in flatten_tensors order, from
 // `tensors` (which must hold exactly as many).
 c10::IValue replace_tensors(const c10::IValue& value, const std::vector<at::Tensor>& tensors);

@@ -2,6 +2,7 @@
 // gradient, every parameter after several optimizer steps.
 #include <gtest/gtest.h>
 
+#include "copy_delay.h"
 #include "models.h"
 
 namespace roundpipe {
@@ -212,6 +213,61 @@ TEST(Equivalence, ForwardWithoutGradMatchesAndBuildsNoGraph) {
   at::Tensor out = model.forward(x, RunConfig().num_microbatch(4));
   EXPECT_FALSE(out.requires_grad());
   EXPECT_TRUE(torch::allclose(out, ref->forward(x), 1e-5, 1e-7));
+}
+
+// Adds one to its input in place, then squares: a layer recomputed from an
+// input it already changed, or a saved input read after the change, gives
+// other outputs and other gradients.
+struct ShiftInPlaceImpl : torch::nn::Cloneable<ShiftInPlaceImpl> {
+  void reset() override {}
+  at::Tensor forward(at::Tensor x) {
+    x.add_(1.0);
+    return x * x;
+  }
+};
+TORCH_MODULE(ShiftInPlace);
+
+TEST(Equivalence, LayersThatChangeTheirInputInPlaceMatchPlainLibtorch) {
+  // Stages start at the in-place layers (1, 3, 5) in forward, fused and
+  // backward stages; the copies of their inputs are late, as a GPU's are.
+  CopyDelay delay(300);
+  auto relu = [] { return torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)); };
+  for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(std::string(grain == RecomputeGrain::kStage ? "stage" : "layer") + (fused ? " fused" : " fwd+bwd"));
+      torch::manual_seed(6);
+      torch::nn::Sequential net(torch::nn::Linear(16, 16), ShiftInPlace(), torch::nn::Linear(16, 16), ShiftInPlace(),
+                                torch::nn::Linear(16, 16), relu(), torch::nn::Linear(16, 4));
+      torch::nn::Sequential ref = copy_of(net);
+      ModelExecutePlan plan;
+      plan.fwd_plan = {{0, 3}, {3, 5}};
+      if (!fused) plan.fwd_plan.push_back({5, 7});
+      plan.bwd_plan = {{5, 7}, {3, 5}, {1, 3}, {0, 1}};
+      RoundPipe model(net, RoundPipeOptions().set_max_devices(2));
+      const RunConfig cfg = RunConfig().num_microbatch(3).recompute_grain(grain).execute_plan(plan);
+      at::Tensor x = torch::randn({6, 16}), y = torch::randn({6, 4});
+      double loss = 0, ref_loss = 0;
+      if (fused) {
+        loss = model.forward_backward({x}, make_kwargs(), y, mse_loss_fn(), false, cfg).toTensor().item<double>();
+        auto xs = x.tensor_split(3), ys = y.tensor_split(3);
+        for (int64_t m = 0; m < 3; ++m) {
+          at::Tensor l = torch::mse_loss(ref->forward(xs[m]), ys[m]);
+          l.backward();
+          ref_loss += l.item<double>();
+        }
+      } else {
+        at::Tensor l = torch::mse_loss(model.forward(x, cfg), y);
+        l.backward();
+        loss = l.item<double>();
+        at::Tensor r = torch::mse_loss(ref->forward(x), y);
+        r.backward();
+        ref_loss = r.item<double>();
+      }
+      model.synchronize();
+      EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss));
+      expect_all_close(grads_of(net->parameters()), grads_of(ref->parameters()), 1e-5, "gradients");
+    }
+  }
 }
 
 }  // namespace
