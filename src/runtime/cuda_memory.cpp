@@ -40,6 +40,17 @@ bool lock_pages(void* ptr, int64_t bytes, cudaError_t& err) {
   return true;
 }
 
+// True when `ptr` lies in page-locked host memory known to CUDA (allocated
+// page-locked, e.g. by tensor.pin_memory(), or registered).
+bool is_page_locked(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeHost;
+}
+
 }  // namespace
 
 bool built_with_cuda() { return true; }
@@ -57,6 +68,7 @@ at::Tensor page_locked_bytes(int64_t bytes) {
 }
 
 bool register_page_locked(void* ptr, int64_t bytes) {
+  if (is_page_locked(ptr)) return false;
   cudaError_t err = cudaSuccess;
   if (lock_pages(ptr, bytes, err)) return true;
   if (err == cudaErrorHostMemoryAlreadyRegistered) return false;
