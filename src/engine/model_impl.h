@@ -241,10 +241,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // The call's own copy of its inputs, for a call that returns before its
   // backward stages have read them: the caller may reuse its tensors then.
   static void own_inputs(Call& call) {
-    for (int64_t m = 0; m < call.num_microbatch; ++m) {
-      c10::IValue& value = call.flow[0][m].value;
-      value = clone_tensors(value);
-    }
+    for (int64_t m = 0; m < call.num_microbatch; ++m) call.flow[0][m].value = clone_tensors(call.flow[0][m].value);
     wait_for_callers_streams(call);  // the copies of accelerator inputs
   }
 

@@ -59,30 +59,40 @@ void wait_for(const c10::Event& event) {
   }
 }
 
-class EventFence final : public Fence {
+// An event of `pool` recorded on `stream`, given back to the pool when it goes.
+class PooledEvent {
  public:
-  EventFence(std::shared_ptr<EventPool> pool, const c10::Stream& stream)
+  PooledEvent(std::shared_ptr<EventPool> pool, const c10::Stream& stream)
       : pool_(std::move(pool)), event_(pool_->take()) {
     event_->record(stream);
   }
-  ~EventFence() override { pool_->give_back(std::move(event_)); }
-  void synchronize() const override { wait_for(*event_); }
-  bool query() const override { return event_->query(); }
-  void block(const c10::Stream& stream) const { event_->block(stream); }
+  ~PooledEvent() { pool_->give_back(std::move(event_)); }
+  PooledEvent(const PooledEvent&) = delete;
+  PooledEvent& operator=(const PooledEvent&) = delete;
+  const c10::Event& operator*() const { return *event_; }
+  const c10::Event* operator->() const { return event_.get(); }
 
  private:
   std::shared_ptr<EventPool> pool_;
   std::unique_ptr<c10::Event> event_;
 };
 
+class EventFence final : public Fence {
+ public:
+  EventFence(std::shared_ptr<EventPool> pool, const c10::Stream& stream) : event_(std::move(pool), stream) {}
+  void synchronize() const override { wait_for(*event_); }
+  bool query() const override { return event_->query(); }
+  void block(const c10::Stream& stream) const { event_->block(stream); }
+
+ private:
+  PooledEvent event_;
+};
+
 // A timing event recorded on a lane's stream: device time between two marks.
 class EventMark final : public TimeMark {
  public:
   EventMark(std::shared_ptr<EventPool> pool, const c10::Stream& stream)
-      : TimeMark(host_now_ms()), pool_(std::move(pool)), event_(pool_->take()) {
-    event_->record(stream);
-  }
-  ~EventMark() override { pool_->give_back(std::move(event_)); }
+      : TimeMark(host_now_ms()), event_(std::move(pool), stream) {}
   double ms_since(const TimeMark& earlier) const override {
     if (auto* e = dynamic_cast<const EventMark*>(&earlier)) {
       wait_for(*e->event_);
@@ -93,8 +103,7 @@ class EventMark final : public TimeMark {
   }
 
  private:
-  std::shared_ptr<EventPool> pool_;
-  std::unique_ptr<c10::Event> event_;
+  PooledEvent event_;
 };
 
 class AcceleratorDevice final : public Device {
