@@ -17,6 +17,7 @@
 
 #include "runtime/cuda_memory.h"
 #include "runtime/device.h"
+#include "runtime/download_batch.h"
 
 namespace roundpipe {
 namespace {
@@ -106,6 +107,12 @@ class EventMark final : public TimeMark {
   PooledEvent event_;
 };
 
+// Downloads gather tensors below 1 MiB into runs of at most 16 MiB: below
+// that size a copy's fixed cost exceeds its transfer over PCIe, and a run
+// bounds the device memory the gather adds.
+constexpr int64_t kGatherBelowBytes = int64_t{1} << 20;
+constexpr int64_t kMaxGatherBytes = int64_t{16} << 20;
+
 class AcceleratorDevice final : public Device {
  public:
   AcceleratorDevice(int pool_index, c10::Device device)
@@ -160,15 +167,22 @@ class AcceleratorDevice final : public Device {
     c10::StreamGuard guard(stream);
     at::NoGradGuard no_grad;
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
-    std::vector<at::Tensor> host(device_tensors.size());
-    for (size_t i = 0; i < host.size(); ++i) {
-      const at::Tensor& t = device_tensors[i];
-      if (!t.defined()) continue;
-      host[i] = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
-      host[i].copy_(t, /*non_blocking=*/true);
-      impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+    DownloadBatch batch = plan_download(device_tensors, /*pinned=*/true, kGatherBelowBytes, kMaxGatherBytes);
+    for (const DownloadBatch::Run& run : batch.runs) {
+      if (run.members.size() == 1) {
+        batch.host[run.members[0]].copy_(device_tensors[run.members[0]], /*non_blocking=*/true);
+        continue;
+      }
+      // One gather kernel and one copy. The gathered tensor is made and
+      // freed on this stream, so the allocator reuses it only after the copy.
+      std::vector<at::Tensor> flat;
+      for (size_t i : run.members) flat.push_back(device_tensors[i].reshape({-1}));
+      run.into.copy_(at::cat(flat), /*non_blocking=*/true);
     }
-    return host;
+    for (const at::Tensor& t : device_tensors) {
+      if (t.defined()) impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+    }
+    return std::move(batch.host);
   }
 
   FencePtr lane_fence(Lane lane) override {

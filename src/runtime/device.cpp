@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "runtime/copy_lane.h"
+#include "runtime/download_batch.h"
 
 namespace roundpipe {
 
@@ -99,12 +100,10 @@ MarkPtr CpuDevice::mark(Lane lane) {
   return copy_lane(lane).mark();
 }
 
-at::Tensor CpuDevice::copy_destination(const at::Tensor& like) const {
-  at::Tensor out = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
-  if (copy_delay_us_.load() > 0 && at::isFloatingType(out.scalar_type())) {
-    out.fill_(std::numeric_limits<double>::quiet_NaN());
+void CpuDevice::poison(const at::Tensor& destination) const {
+  if (copy_delay_us_.load() > 0 && at::isFloatingType(destination.scalar_type())) {
+    destination.fill_(std::numeric_limits<double>::quiet_NaN());
   }
-  return out;
 }
 
 void CpuDevice::run_task(const std::function<void()>& task) {
@@ -150,7 +149,8 @@ std::vector<at::Tensor> CpuDevice::upload(const std::vector<at::Tensor>& host, L
     MemoryCounterScope scope(&counter_);  // device memory from now until its last use
     for (size_t i = 0; i < host.size(); ++i) {
       if (!host[i].defined()) continue;
-      out[i] = copy_destination(host[i]);
+      out[i] = at::empty(host[i].sizes(), host[i].options().memory_format(at::MemoryFormat::Contiguous));
+      poison(out[i]);
       sources[i] = host[i].detach();  // its own handle: the caller may set_data on its tensor
     }
   }
@@ -164,12 +164,15 @@ std::vector<at::Tensor> CpuDevice::upload(const std::vector<at::Tensor>& host, L
 
 std::vector<at::Tensor> CpuDevice::download(const std::vector<at::Tensor>& device_tensors) {
   check_fault(Fault::kDownload);
-  std::vector<at::Tensor> host(device_tensors.size()), sources(device_tensors.size());
+  std::vector<at::Tensor> host, sources(device_tensors.size());
   {
     MemoryCounterScope host_memory(nullptr);
+    // A CPU copy has no fixed cost to save: every tensor is copied alone,
+    // into its dtype's host buffer as on an accelerator.
+    host = plan_download(device_tensors, /*pinned=*/false, /*gather_below=*/0, /*max_run_bytes=*/0).host;
     for (size_t i = 0; i < host.size(); ++i) {
       if (!device_tensors[i].defined()) continue;
-      host[i] = copy_destination(device_tensors[i]);
+      poison(host[i]);
       // Its own handle to the storage: the worker releases a replica's
       // tensors with set_data once its job is done, maybe before the copy ran.
       sources[i] = device_tensors[i].detach();

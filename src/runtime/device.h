@@ -98,9 +98,10 @@ class Device {
   virtual std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane,
                                          const FencePtr& after) = 0;
   // Copies device tensors to new host memory on the download lane, after the
-  // compute submitted so far. The copies are complete at the next
-  // lane_fence(Lane::kDownload). Undefined tensors stay undefined; the
-  // copies have no autograd history.
+  // compute submitted so far: one host buffer per dtype, each copy a
+  // contiguous tensor of its own over it (see download_batch.h). The copies
+  // are complete at the next lane_fence(Lane::kDownload). Undefined tensors
+  // stay undefined; the copies have no autograd history.
   virtual std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) = 0;
   // A fence after all work submitted on `lane` so far.
   virtual FencePtr lane_fence(Lane lane) = 0;
@@ -200,9 +201,9 @@ class CpuDevice final : public Device {
  private:
   void check_fault(Fault fault);
   CopyLane& copy_lane(Lane lane);
-  // A destination for a copy of `like`: NaN until written when copies are
-  // delayed (a read without its fence then shows).
-  at::Tensor copy_destination(const at::Tensor& like) const;
+  // Makes a copy's destination read as NaN until the copy writes it, when
+  // copies are delayed (a read without its fence then shows).
+  void poison(const at::Tensor& destination) const;
 
   MemoryCounter counter_;
   std::atomic<int64_t> copy_delay_us_;

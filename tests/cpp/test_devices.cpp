@@ -89,6 +89,25 @@ TEST(CpuDeviceLanes, ACopyCompletesLateAndReadsAsNaNUntilItsFence) {
   });
 }
 
+TEST(CpuDeviceLanes, ADownloadIsOneHostBufferPerDtypeAndEachTensorItsOwn) {
+  testing::CopyDelay delay(2000);
+  Device& dev = DevicePool::instance().device(0);
+  at::Tensor a = at::randn({4, 3}), b = at::randn({3, 5}).t(), ids = at::arange(6, at::kLong);
+  std::vector<at::Tensor> down;
+  on_worker(dev, [&] {
+    down = dev.download({a, ids, b});
+    EXPECT_TRUE(down[0].isnan().all().item<bool>()) << "read before its copy completed";
+    dev.lane_fence(Lane::kDownload)->synchronize();
+  });
+  EXPECT_TRUE(down[0].equal(a));
+  EXPECT_TRUE(down[1].equal(ids));
+  EXPECT_TRUE(down[2].equal(b));
+  EXPECT_TRUE(down[2].is_contiguous());
+  EXPECT_TRUE(down[0].storage().is_alias_of(down[2].storage()));
+  down[0].zero_();
+  EXPECT_TRUE(down[2].equal(b));
+}
+
 TEST(CpuDeviceLanes, LanesRunInIssueOrderAndAnUploadWaitsForItsAfterFence) {
   testing::CopyDelay delay(2000);
   Device& a = DevicePool::instance().device(0);

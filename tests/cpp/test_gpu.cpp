@@ -3,8 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include "engine/host_store.h"
 #include "runtime/cuda_memory.h"
+#include "runtime/device_pool.h"
 #include "models.h"
 
 namespace roundpipe {
@@ -92,6 +95,33 @@ TEST(Gpu, RegisterPageLocksTheModelsOwnMemoryInPlaceUntilTheModelGoes) {
 }
 
 // Allocates far more than any device has.
+TEST(Gpu, ADownloadGathersSmallTensorsAndEveryTensorKeepsItsValue) {
+  SKIP_WITHOUT_CUDA();
+  Device& dev = DevicePool::instance().device(0);
+  std::vector<at::Tensor> on_gpu;
+  for (int i = 0; i < 40; ++i) on_gpu.push_back(torch::randn({i % 7 + 1, 3}, torch::kCUDA));
+  on_gpu.push_back(torch::randn({1 << 19}, torch::kCUDA));        // 2 MiB: copied alone
+  on_gpu.push_back(torch::randn({8, 6}, torch::kCUDA).t());       // not contiguous
+  on_gpu.push_back(torch::randn({5}, torch::kCUDA).to(torch::kBFloat16));
+  on_gpu.push_back(torch::arange(9, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong)));
+  on_gpu.push_back(at::Tensor());
+  torch::cuda::synchronize();
+  std::vector<at::Tensor> host;
+  std::promise<void> done;
+  dev.submit([&] {
+    host = dev.download(on_gpu);
+    dev.lane_fence(Lane::kDownload)->synchronize();
+    done.set_value();
+  });
+  done.get_future().wait();
+  ASSERT_EQ(host.size(), on_gpu.size());
+  EXPECT_FALSE(host.back().defined());
+  for (size_t i = 0; i + 1 < host.size(); ++i) {
+    EXPECT_TRUE(host[i].is_pinned()) << i;
+    EXPECT_TRUE(host[i].equal(on_gpu[i].cpu())) << i;
+  }
+}
+
 struct HogImpl : torch::nn::Cloneable<HogImpl> {
   void reset() override {}
   at::Tensor forward(at::Tensor x) { return x + torch::empty({int64_t(1) << 50}, x.options()).sum(); }
