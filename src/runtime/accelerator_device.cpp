@@ -107,12 +107,6 @@ class EventMark final : public TimeMark {
   PooledEvent event_;
 };
 
-// Downloads gather tensors below 1 MiB into runs of at most 16 MiB: below
-// that size a copy's fixed cost exceeds its transfer over PCIe, and a run
-// bounds the device memory the gather adds.
-constexpr int64_t kGatherBelowBytes = int64_t{1} << 20;
-constexpr int64_t kMaxGatherBytes = int64_t{16} << 20;
-
 class AcceleratorDevice final : public Device {
  public:
   AcceleratorDevice(int pool_index, c10::Device device)
@@ -167,7 +161,11 @@ class AcceleratorDevice final : public Device {
     c10::StreamGuard guard(stream);
     at::NoGradGuard no_grad;
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
-    DownloadBatch batch = plan_download(device_tensors, /*pinned=*/true, kGatherBelowBytes, kMaxGatherBytes);
+    // Recorded first: a copy issued before a later one fails still reads them.
+    for (const at::Tensor& t : device_tensors) {
+      if (t.defined() && t.layout() == at::kStrided) impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+    }
+    DownloadBatch batch = plan_download(device_tensors, /*pinned=*/true);
     for (const DownloadBatch::Run& run : batch.runs) {
       if (run.members.size() == 1) {
         batch.host[run.members[0]].copy_(device_tensors[run.members[0]], /*non_blocking=*/true);
@@ -178,9 +176,6 @@ class AcceleratorDevice final : public Device {
       std::vector<at::Tensor> flat;
       for (size_t i : run.members) flat.push_back(device_tensors[i].reshape({-1}));
       run.into.copy_(at::cat(flat), /*non_blocking=*/true);
-    }
-    for (const at::Tensor& t : device_tensors) {
-      if (t.defined()) impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
     }
     return std::move(batch.host);
   }

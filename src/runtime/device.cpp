@@ -167,9 +167,9 @@ std::vector<at::Tensor> CpuDevice::download(const std::vector<at::Tensor>& devic
   std::vector<at::Tensor> host, sources(device_tensors.size());
   {
     MemoryCounterScope host_memory(nullptr);
-    // A CPU copy has no fixed cost to save: every tensor is copied alone,
-    // into its dtype's host buffer as on an accelerator.
-    host = plan_download(device_tensors, /*pinned=*/false, /*gather_below=*/0, /*max_run_bytes=*/0).host;
+    // Host memory laid out as on an accelerator; a CPU copy has no fixed
+    // cost to save, so every tensor is copied alone.
+    host = plan_download(device_tensors, /*pinned=*/false).host;
     for (size_t i = 0; i < host.size(); ++i) {
       if (!device_tensors[i].defined()) continue;
       poison(host[i]);

@@ -98,8 +98,8 @@ class Device {
   virtual std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane,
                                          const FencePtr& after) = 0;
   // Copies device tensors to new host memory on the download lane, after the
-  // compute submitted so far: one host buffer per dtype, each copy a
-  // contiguous tensor of its own over it (see download_batch.h). The copies
+  // compute submitted so far: small tensors share host buffers, each copy
+  // a contiguous tensor of its own (see download_batch.h). The copies
   // are complete at the next lane_fence(Lane::kDownload). Undefined tensors
   // stay undefined; the copies have no autograd history.
   virtual std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) = 0;

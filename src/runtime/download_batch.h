@@ -1,9 +1,16 @@
-// Host memory for one download: the tensors of each dtype back to back in
-// one host buffer, each tensor a contiguous part of it. A batch (a stage's
-// gradients, a layer's buffers, a microbatch's outputs) then costs one host
-// allocation per dtype, not one per tensor, and an accelerator can move
-// neighbouring small tensors in one copy: a copy's fixed cost (a few us)
-// exceeds the transfer time of a tensor below about 1 MiB.
+// Host memory for one download: small tensors of one dtype (and source
+// device) back to back in shared host buffers, each a contiguous tensor of
+// its own over its buffer. A batch of small tensors (a stage's norms, biases
+// and LoRA factors, a layer's buffers, a microbatch's outputs) then costs one
+// host allocation per run, not one per tensor, and an accelerator moves a run
+// in one copy: a copy's fixed cost (a few us) exceeds the transfer time of a
+// tensor below about 1 MiB. Larger tensors get host memory of their own, of
+// their exact size (a page-locked allocator rounds each request up, and a
+// part keeps its whole buffer alive).
+//
+// A part shares its buffer's storage with its neighbours: what acts on a
+// whole storage (torch.save, share_memory_(), untyped_storage(), a resize_
+// that grows it in place) sees all of it.
 //
 // Thread-safety: a pure function.
 #pragma once
@@ -16,26 +23,31 @@
 
 namespace roundpipe {
 
+// Tensors below this size are gathered, into runs of at most kMaxRunBytes
+// (which bounds the device memory a gather adds).
+constexpr int64_t kGatherBelowBytes = int64_t{1} << 20;
+constexpr int64_t kMaxRunBytes = int64_t{16} << 20;
+
 struct DownloadBatch {
   // Per tensor of the batch, where its host copy goes (undefined where the
-  // tensor is). Strided tensors get contiguous parts of their dtype's buffer
-  // (tensors of their own to autograd, not views), others a host tensor of
-  // their own.
+  // tensor is): a tensor of its own, or in a run of several a contiguous
+  // tensor over the run's buffer (to autograd a tensor of its own, not a
+  // view).
   std::vector<at::Tensor> host;
-  // Tensors copied together, in order: their parts are consecutive in one
-  // buffer, and `into` is the range of the buffer they fill.
+  // Tensors copied together: one dtype and source device, their parts back
+  // to back in `into` (1-D, the run's whole buffer; undefined for a run of
+  // one tensor, which is copied directly).
   struct Run {
-    std::vector<size_t> members;  // indices into the batch
-    at::Tensor into;              // 1-D; undefined for a tensor that is not strided
+    std::vector<size_t> members;  // indices into the batch, in buffer order
+    at::Tensor into;
   };
   std::vector<Run> runs;
 };
 
-// Lays out host copies of `device_tensors` (page-locked when `pinned`).
-// Strided tensors below `gather_below` bytes share runs of at most
-// `max_run_bytes`, placed first in their buffer in batch order; every other
-// tensor is a run of its own. `gather_below` 0: every tensor alone.
-DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, bool pinned, int64_t gather_below,
-                            int64_t max_run_bytes);
+// Lays out host copies of `device_tensors` (page-locked when `pinned`):
+// strided tensors below `gather_below` bytes share runs of at most
+// `max_run_bytes`, in batch order; every other tensor is a run of its own.
+DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, bool pinned,
+                            int64_t gather_below = kGatherBelowBytes, int64_t max_run_bytes = kMaxRunBytes);
 
 }  // namespace roundpipe

@@ -89,7 +89,7 @@ TEST(CpuDeviceLanes, ACopyCompletesLateAndReadsAsNaNUntilItsFence) {
   });
 }
 
-TEST(CpuDeviceLanes, ADownloadIsOneHostBufferPerDtypeAndEachTensorItsOwn) {
+TEST(CpuDeviceLanes, ADownloadPutsSmallTensorsOfADtypeInOneHostBufferEachATensorOfItsOwn) {
   testing::CopyDelay delay(2000);
   Device& dev = DevicePool::instance().device(0);
   at::Tensor a = at::randn({4, 3}), b = at::randn({3, 5}).t(), ids = at::arange(6, at::kLong);

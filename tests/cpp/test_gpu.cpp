@@ -104,6 +104,7 @@ TEST(Gpu, ADownloadGathersSmallTensorsAndEveryTensorKeepsItsValue) {
   on_gpu.push_back(torch::randn({8, 6}, torch::kCUDA).t());       // not contiguous
   on_gpu.push_back(torch::randn({5}, torch::kCUDA).to(torch::kBFloat16));
   on_gpu.push_back(torch::arange(9, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong)));
+  on_gpu.push_back(torch::randn({4}));  // a layer's output left on the host: not gathered with the GPU's
   on_gpu.push_back(at::Tensor());
   torch::cuda::synchronize();
   std::vector<at::Tensor> host;
