@@ -8,6 +8,7 @@
 
 #include "runtime/cuda_memory.h"
 #include "runtime/host_memory.h"
+#include "runtime/tensor_over.h"
 
 namespace roundpipe {
 namespace {
@@ -116,15 +117,11 @@ at::Tensor HostStore::view_in(const at::Tensor& arena, int64_t id) const {
 
 at::Tensor HostStore::view_on_device(const at::Tensor& bytes, int64_t arena_offset, int64_t id) const {
   const HostParam& p = params_.at(id);
-  // bytes.narrow(0, offset, size).view(dtype).view(sizes), built directly:
-  // this runs for every parameter of every stage upload, where three
-  // dispatched view ops cost more than a small layer's copy. Offsets are
-  // kAlign-aligned, so the element offset is exact.
+  // bytes.narrow(0, offset, size).view(dtype).view(sizes), built directly
+  // (tensor_over.h). Offsets are kAlign-aligned, so the element offset is exact.
   const int64_t byte_offset = bytes.storage_offset() + arena_offset + p.offset;
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(bytes.storage()), bytes.key_set(), p.master.dtype());
-  impl->set_storage_offset(byte_offset / static_cast<int64_t>(p.master.element_size()));
-  impl->set_sizes_contiguous(p.master.sizes());
-  return at::Tensor(std::move(impl));
+  return tensor_over(bytes, p.master.dtype(), byte_offset / static_cast<int64_t>(p.master.element_size()),
+                     p.master.sizes());
 }
 
 std::vector<int64_t> HostStore::layer_param_bytes() const {

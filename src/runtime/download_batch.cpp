@@ -4,49 +4,35 @@
 
 #include <map>
 #include <tuple>
+#include <utility>
+
+#include "runtime/tensor_over.h"
 
 namespace roundpipe {
-namespace {
-
-// A contiguous tensor of `sizes` over `buffer`'s memory from element
-// `offset`, which is not a view in autograd's sense: like any tensor of its
-// own it may be detached or changed in place, also as the output of an
-// autograd function or a parameter's .grad. Built directly (no dispatched
-// op): a stage's download makes one per gradient.
-at::Tensor part_of(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(), buffer.dtype());
-  impl->set_storage_offset(offset);
-  impl->set_sizes_contiguous(sizes);
-  return at::Tensor(std::move(impl));
-}
-
-}  // namespace
 
 DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, bool pinned, int64_t gather_below,
                             int64_t max_run_bytes) {
   DownloadBatch batch;
   batch.host.resize(device_tensors.size());
-  // Runs being filled, one per (source device, dtype): their members and bytes.
-  std::map<std::tuple<int, int, int>, size_t> open;  // -> index in batch.runs
-  std::vector<int64_t> run_bytes;
+  // The run being filled per (source device, dtype): its index in
+  // batch.runs and its bytes so far.
+  std::map<std::tuple<int, int, int>, std::pair<size_t, int64_t>> open;
   for (size_t i = 0; i < device_tensors.size(); ++i) {
     const at::Tensor& t = device_tensors[i];
     if (!t.defined()) continue;
     const auto bytes = static_cast<int64_t>(t.nbytes());
-    const bool small = t.layout() == at::kStrided && bytes < gather_below;
-    if (small) {
+    if (t.layout() == at::kStrided && bytes < gather_below) {
       const auto key = std::make_tuple(static_cast<int>(t.device().type()), static_cast<int>(t.device().index()),
                                        static_cast<int>(t.scalar_type()));
       auto it = open.find(key);
-      if (it != open.end() && run_bytes[it->second] + bytes <= max_run_bytes) {
-        batch.runs[it->second].members.push_back(i);
-        run_bytes[it->second] += bytes;
+      if (it != open.end() && it->second.second + bytes <= max_run_bytes) {
+        batch.runs[it->second.first].members.push_back(i);
+        it->second.second += bytes;
         continue;
       }
-      open[key] = batch.runs.size();
+      open[key] = {batch.runs.size(), bytes};
     }
     batch.runs.push_back({{i}, at::Tensor()});
-    run_bytes.push_back(bytes);
   }
   for (DownloadBatch::Run& run : batch.runs) {
     const at::Tensor& first = device_tensors[run.members.front()];
@@ -61,7 +47,7 @@ DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, bool 
     run.into = at::empty({numel}, at::TensorOptions().dtype(first.scalar_type()).pinned_memory(pinned));
     int64_t offset = 0;
     for (size_t i : run.members) {
-      batch.host[i] = part_of(run.into, offset, device_tensors[i].sizes());
+      batch.host[i] = tensor_over(run.into, run.into.dtype(), offset, device_tensors[i].sizes());
       offset += device_tensors[i].numel();
     }
   }
