@@ -3,6 +3,9 @@
 // Selected once, at first use, by ROUNDPIPE_DEVICES:
 //   "cuda"      all visible CUDA devices
 //   "cuda:0,2"  the listed CUDA devices
+//   "cuda:0x4"  four devices over GPU 0 (also "cuda:0,0,0,0"), each with its
+//               own streams and slots, as if separate GPUs: the cross-device
+//               path runs on one GPU (their memory statistics are the GPU's)
 //   "cpu:N"     N CPU virtual devices (a worker thread and memory account each)
 // Default: all CUDA devices if any, else "cpu:1". A malformed value, or
 // "cuda" on a machine without CUDA, throws c10::ValueError at first use.

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/autocast_state.h"
 #include "engine/layer.h"
 #include "engine/param_gate.h"
 #include "engine/recompute_context.h"
@@ -41,6 +42,7 @@ struct Slot {
 // What forward stages keep for the backward stages (host memory).
 struct ForwardRecord {
   int64_t call_id = 0;
+  AutocastState autocast;  // the caller's, when the record was made: forward, recompute and loss run under it
   int64_t num_microbatch = 0;
   std::vector<std::vector<Slot>> stage_inputs;  // [layer][M]: inputs of layers that start a backward stage
   // [layer][M]: what save_for_recompute kept, on the host once each slot's fence completes.

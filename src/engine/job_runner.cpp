@@ -248,6 +248,7 @@ class JobRunner {
     MarkPtr start = dev_.mark(Lane::kCompute);
     {
       LayerRunScope scope(&state);
+      AutocastScope autocast(c_.record->autocast);
       auto body = [&] { out = layer(l)->forward(dev_.index(), std::move(args), std::move(kwargs)); };
       if (c_.preserve_rng && layer(l)->may_draw_random()) {
         run_with_random_stream(dev_.torch_device(),
@@ -299,7 +300,10 @@ class JobRunner {
       if (l + 1 < job_.layers.end) timer.watch(l, x);
     }
     cursor.layer = -1;
-    loss_ = (*c_.loss_fn)(x, label_);
+    {
+      AutocastScope autocast(c_.record->autocast);
+      loss_ = (*c_.loss_fn)(x, label_);
+    }
     std::vector<at::Tensor> roots = flatten_tensors(loss_);
     check_losses(loss_, roots);
     timer.start();

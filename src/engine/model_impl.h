@@ -197,6 +197,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   std::shared_ptr<ForwardRecord> new_record(int64_t m) {
     auto record = std::make_shared<ForwardRecord>();
     record->call_id = next_call_id++;
+    record->autocast = AutocastState::of_this_thread();  // on the caller's thread
     record->num_microbatch = m;
     record->stage_inputs.assign(layers.size(), std::vector<Slot>(m));
     record->recompute_data.assign(layers.size(), {});

@@ -60,6 +60,12 @@ c10::IValue move_outputs(const c10::IValue& merged, const RunConfig& cfg) {
   return map_tensors(merged, [&](const at::Tensor& t) { return t.to(device); });
 }
 
+// `grad` (host memory) where `input` lives; an undefined one as it is.
+at::Tensor on_device_of(const at::Tensor& grad, const at::Tensor& input) {
+  if (!grad.defined() || grad.device() == input.device()) return grad;
+  return grad.to(input.device());
+}
+
 // The autograd node behind forward()'s outputs: its backward runs the
 // backward stages through the pipeline.
 class PipelineBackward : public torch::autograd::Node {
@@ -99,7 +105,9 @@ class PipelineBackward : public torch::autograd::Node {
       std::vector<at::Tensor> g = tensors_from_ivalue(call->flow[call->jobs.size()][mb].value);
       std::vector<at::Tensor> ins = flatten_tensors(inputs_[mb]);
       for (size_t i = 0; i < ins.size(); ++i) {
-        if (ins[i].requires_grad()) input_grads.push_back(g[i]);
+        // On the input's device: autograd rejects a gradient on another one
+        // (the engine hands them back in host memory).
+        if (ins[i].requires_grad()) input_grads.push_back(on_device_of(g[i], ins[i]));
       }
     }
     return input_grads;
@@ -314,7 +322,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
     for (size_t i = 0; i < ins.size(); ++i) {
       if (ins[i].requires_grad() && g[i].defined()) {
         roots.push_back(ins[i]);
-        root_grads.push_back(g[i]);
+        root_grads.push_back(on_device_of(g[i], ins[i]));
       }
     }
   }

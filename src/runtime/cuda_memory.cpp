@@ -60,6 +60,7 @@ at::Tensor page_locked_bytes(int64_t bytes) {
   // registration, so a copy may span any range of it, and the driver's
   // global lock is taken once, after the slow part.
   at::Tensor out = mapped_bytes(bytes, [](void* p) { unregister_page_locked(p); });
+  keep_out_of_forks(out);  // before page-locking: a fork would copy every locked page
   cudaError_t err = cudaSuccess;
   TORCH_CHECK(bytes == 0 || lock_pages(out.data_ptr(), bytes, err), "page-locking ", bytes,
               " bytes of host memory for the model's parameters failed: ", cudaGetErrorString(err),
@@ -97,21 +98,36 @@ namespace {
 
 // allocated_bytes[0]: the aggregate over the allocator's pools (StatType's
 // first entry; where the type lives moved between torch versions).
-struct Allocated {
-  int64_t current, peak;
+struct Stats {
+  int64_t allocated, peak_allocated, peak_reserved;
 };
-Allocated allocated(int index) {
-  const auto stats =
-      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
-  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
+// The allocator is set up at CUDA's lazy initialization, and its statistics
+// refuse a device before that ("did you call init?"): nothing was allocated.
+bool allocator_ready(int index) {
+  return index >= 0 && c10::cuda::CUDACachingAllocator::get()->initialized();
+}
+Stats stats_of(int index) {
+  if (!allocator_ready(index)) return {0, 0, 0};
+  try {
+    const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+    return {s.allocated_bytes[0].current, s.allocated_bytes[0].peak, s.reserved_bytes[0].peak};
+  } catch (const c10::Error&) {
+    return {0, 0, 0};  // this device's allocator is not set up yet
+  }
 }
 
 }  // namespace
 
-int64_t allocated_bytes(int index) { return allocated(index).current; }
-int64_t peak_allocated_bytes(int index) { return allocated(index).peak; }
+int64_t allocated_bytes(int index) { return stats_of(index).allocated; }
+int64_t peak_allocated_bytes(int index) { return stats_of(index).peak_allocated; }
+int64_t peak_reserved_bytes(int index) { return stats_of(index).peak_reserved; }
 void reset_peak_allocated_bytes(int index) {
-  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
+  if (!allocator_ready(index)) return;
+  try {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
+  } catch (const c10::Error&) {
+    // not set up yet: no peak to reset
+  }
 }
 
 }  // namespace cuda

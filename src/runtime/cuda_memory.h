@@ -37,9 +37,11 @@ void unregister_page_locked(void* ptr);
 int64_t page_locked_host_bytes();
 
 // The caching allocator's bytes in use on CUDA device `index`, now and at
-// the peak since the last reset.
+// the peak since the last reset; and the bytes it holds from CUDA (in use
+// or cached), at the peak. Zero before the allocator's first use.
 int64_t allocated_bytes(int index);
 int64_t peak_allocated_bytes(int index);
+int64_t peak_reserved_bytes(int index);
 void reset_peak_allocated_bytes(int index);
 
 }  // namespace cuda

@@ -22,6 +22,7 @@ void unregister_page_locked(void*) {}
 int64_t page_locked_host_bytes() { return 0; }
 int64_t allocated_bytes(int) { unavailable("allocated_bytes"); }
 int64_t peak_allocated_bytes(int) { unavailable("peak_allocated_bytes"); }
+int64_t peak_reserved_bytes(int) { unavailable("peak_reserved_bytes"); }
 void reset_peak_allocated_bytes(int) { unavailable("reset_peak_allocated_bytes"); }
 
 }  // namespace cuda

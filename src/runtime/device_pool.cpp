@@ -29,7 +29,7 @@ long long parse_non_negative(const std::string& text) {
 int64_t parse_count(const std::string& text, const std::string& spec) {
   const long long value = parse_non_negative(text);
   TORCH_CHECK_VALUE(value >= 0, "ROUNDPIPE_DEVICES='", spec, "': '", text,
-                    "' is not a device number; use cuda, cuda:0,2 or cpu:N");
+                    "' is not a device number; use cuda, cuda:0,2, cuda:0x4 or cpu:N");
   return value;
 }
 
@@ -60,23 +60,32 @@ std::vector<std::string> DevicePool::parse_spec(const std::string& spec, int64_t
     return out;
   }
   if (spec.rfind("cuda:", 0) == 0) {
+    // Items "N" or "cuda:N", each optionally "xK" for K devices over that GPU
+    // (several devices over one GPU, each with its own streams: SPEC 3).
     std::stringstream list(spec.substr(5));
     std::string item;
     while (std::getline(list, item, ',')) {
+      if (item.rfind("cuda:", 0) == 0) item = item.substr(5);
+      int64_t copies = 1;
+      const size_t x = item.find('x');
+      if (x != std::string::npos) {
+        copies = parse_count(item.substr(x + 1), spec);
+        TORCH_CHECK_VALUE(copies >= 1 && copies <= 8, "ROUNDPIPE_DEVICES='", spec, "': '", item,
+                          "' asks for ", copies, " devices over one GPU; use 1..8 (cuda:0x4)");
+        item = item.substr(0, x);
+      }
       int64_t i = parse_count(item, spec);
       TORCH_CHECK_VALUE(i < num_cuda, "ROUNDPIPE_DEVICES='", spec, "': cuda:", i,
                         " does not exist (", num_cuda, " CUDA devices visible)");
-      std::string name = "cuda:" + std::to_string(i);
-      for (const auto& seen : out) {
-        TORCH_CHECK_VALUE(seen != name, "ROUNDPIPE_DEVICES='", spec, "' lists ", name, " twice");
-      }
-      out.push_back(name);
+      for (int64_t c = 0; c < copies; ++c) out.push_back("cuda:" + std::to_string(i));
     }
     TORCH_CHECK_VALUE(!out.empty(), "ROUNDPIPE_DEVICES='", spec, "' lists no device");
+    TORCH_CHECK_VALUE(out.size() <= 64, "ROUNDPIPE_DEVICES='", spec, "' lists ", out.size(),
+                      " devices; at most 64 accelerator devices");
     return out;
   }
   TORCH_CHECK_VALUE(false, "ROUNDPIPE_DEVICES='", spec,
-                    "' is not understood; use cuda, cuda:0,2 or cpu:N");
+                    "' is not understood; use cuda, cuda:0,2, cuda:0x4 or cpu:N");
   return out;
 }
 

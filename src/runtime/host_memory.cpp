@@ -84,4 +84,12 @@ at::Tensor mapped_bytes(int64_t bytes, std::function<void(void*)> before_unmap) 
       options);
 }
 
+void keep_out_of_forks(const at::Tensor& mapped) {
+  if (mapped.nbytes() == 0) return;
+  const int64_t bytes = (static_cast<int64_t>(mapped.nbytes()) + page_size() - 1) / page_size() * page_size();
+  TORCH_CHECK(::madvise(mapped.data_ptr(), static_cast<size_t>(bytes), MADV_DONTFORK) == 0,
+              "cannot keep ", bytes, " bytes of page-locked host memory out of child processes: ",
+              std::strerror(errno));
+}
+
 }  // namespace roundpipe

@@ -24,6 +24,13 @@ namespace roundpipe {
 // system refuses the mapping.
 at::Tensor mapped_bytes(int64_t bytes, std::function<void(void*)> before_unmap = {});
 
+// Keeps the pages of a mapping made by mapped_bytes out of child processes
+// (MADV_DONTFORK): a fork() copies page-locked pages eagerly, so a DataLoader
+// worker forked from a training process would copy the whole page-locked
+// slab. The child has no such pages: it must not touch the tensor.
+// c10::Error when the system refuses.
+void keep_out_of_forks(const at::Tensor& mapped);
+
 // The threads mapped_bytes uses to fault in `bytes`: one per 64 MiB, at
 // most one per core and 16.
 int fault_in_threads(int64_t bytes);

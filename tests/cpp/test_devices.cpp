@@ -23,10 +23,14 @@ TEST(DeviceSpec, AcceptedForms) {
   EXPECT_THAT(DevicePool::parse_spec("cpu:3", 0), ElementsAre("cpu:0", "cpu:1", "cpu:2"));
   EXPECT_THAT(DevicePool::parse_spec("cuda", 2), ElementsAre("cuda:0", "cuda:1"));
   EXPECT_THAT(DevicePool::parse_spec("cuda:0,2", 3), ElementsAre("cuda:0", "cuda:2"));
+  // Several devices over one GPU, each with its own streams.
+  EXPECT_THAT(DevicePool::parse_spec("cuda:0,cuda:0", 1), ElementsAre("cuda:0", "cuda:0"));
+  EXPECT_THAT(DevicePool::parse_spec("cuda:1,1", 2), ElementsAre("cuda:1", "cuda:1"));
+  EXPECT_THAT(DevicePool::parse_spec("cuda:0x3,1", 2), ElementsAre("cuda:0", "cuda:0", "cuda:0", "cuda:1"));
 }
 
 TEST(DeviceSpec, BadFormsSayWhatIsAccepted) {
-  for (const char* bad : {"cpu:0", "cpu:x", "cpu:", "gpu", "cuda:1,1", "cuda:5", "cuda:", "cpu:-1"}) {
+  for (const char* bad : {"cpu:0", "cpu:x", "cpu:", "gpu", "cuda:0x0", "cuda:0x9", "cuda:0x", "cuda:x2", "cuda:5", "cuda:", "cpu:-1"}) {
     try {
       DevicePool::parse_spec(bad, 2);
       ADD_FAILURE() << bad << " was accepted";

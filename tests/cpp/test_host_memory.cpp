@@ -4,7 +4,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <cinttypes>
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -47,6 +54,46 @@ TEST(HostMemory, MappedBytesAreExactZeroedResidentAndUnmappedWithTheirStorage) {
     view.reset();
     EXPECT_EQ(unmapped, data);
   }
+}
+
+// The flags /proc/self/smaps gives the mapping that holds `data`.
+std::string vm_flags_of(const void* data) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  while (std::getline(smaps, line)) {
+    uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &begin, &end) == 2 && line.find(':') > 8) {
+      inside = address >= begin && address < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+TEST(HostMemory, KeptOutOfForksTheMappingIsNotCopiedIntoAChild) {
+  at::Tensor t = mapped_bytes(3 * kPage + 5);
+  const std::string before = vm_flags_of(t.data_ptr());
+  ASSERT_FALSE(before.empty()) << "the mapping is in /proc/self/smaps";
+  EXPECT_EQ(before.find(" dc"), std::string::npos) << before;
+  keep_out_of_forks(t);
+  const std::string after = vm_flags_of(t.data_ptr());
+  EXPECT_NE(after.find(" dc"), std::string::npos) << "MADV_DONTFORK: " << after;
+  // A child really lacks it: mincore on its range fails with ENOMEM there.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    unsigned char in_core[4];
+    const int rc = ::mincore(t.data_ptr(), static_cast<size_t>(3 * kPage + 5), in_core);
+    ::_exit(rc != 0 && errno == ENOMEM ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child has the parent's pages";
+  EXPECT_EQ(t[3 * kPage + 4].item<int64_t>(), 0) << "the parent keeps them";
+  keep_out_of_forks(mapped_bytes(0));  // nothing to do
 }
 
 TEST(HostMemory, EmptyAndNegativeSizes) {
