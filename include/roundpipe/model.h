@@ -83,6 +83,15 @@ struct RoundPipeOptions {
   GradientReduction gradient_reduction = GradientReduction::kSum;
   // Where the host parameters live and whether they are page-locked.
   PinMode pin_model = PinMode::kAlloc;
+  // forward_backward returns at its losses while its backward stages still
+  // run, and the next call's jobs queue behind them (SPEC 4.3); results are
+  // bitwise those of the non-overlapped order. false: every call returns
+  // when it has ended. Default: true.
+  bool overlap_iterations = true;
+  // The first n asynchronous steps run synchronously, then the one-step
+  // delay starts (SPEC 4.3). Default: the process-wide
+  // set_sync_warmup_steps (deprecated), 0 unless set.
+  c10::optional<int64_t> sync_warmup_steps;
 
   RoundPipeOptions& set_name(std::string v) { name = std::move(v); return *this; }
   RoundPipeOptions& set_run_config(RunConfig v) { run_config = std::move(v); return *this; }
@@ -92,6 +101,8 @@ struct RoundPipeOptions {
   RoundPipeOptions& set_process_group(std::shared_ptr<ProcessGroup> v) { process_group = std::move(v); return *this; }
   RoundPipeOptions& set_gradient_reduction(GradientReduction v) { gradient_reduction = v; return *this; }
   RoundPipeOptions& set_pin_model(PinMode v) { pin_model = v; return *this; }
+  RoundPipeOptions& set_overlap_iterations(bool v) { overlap_iterations = v; return *this; }
+  RoundPipeOptions& set_sync_warmup_steps(int64_t v) { sync_warmup_steps = v; return *this; }
 };
 
 class RoundPipe {
@@ -206,7 +217,11 @@ class RoundPipe {
   // plan (auto_plan.h) over layer_costs(), at least one stage per device,
   // upper_threshold 1.1, no memory limit. It is kept from call to call until
   // a new plan is predicted at least 20% faster (choose_plan), so timing
-  // noise does not make it oscillate.
+  // noise does not make it oscillate. Fused calls whose iterations overlap
+  // on two devices or more, once every layer is timed, take the plan a
+  // search simulating the pipeline finds from it; calls never wait for that
+  // search (it runs on a background thread and is adopted when done), this
+  // query does.
   ModelExecutePlan default_execute_plan(RunKind kind) const;
   // Per-layer time estimates (ModelTimer), updated after every call.
   const ModelTimer& timer() const;

@@ -48,34 +48,18 @@ def get_num_devices() -> int:
 
 
 def set_sync_warmup_steps(n: int) -> None:
-    """Run the first ``n`` steps of every model synchronously before the
-    one-step delay starts (default 0)."""
+    """Deprecated: ``RoundPipe(..., sync_warmup_steps=n)`` is the per-model
+    setting. The default of that keyword for models built afterwards: their
+    first ``n`` steps run synchronously before the one-step delay starts
+    (default 0)."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"set_sync_warmup_steps: n must be an int, got {type(n).__name__}")
     _C.set_sync_warmup_steps(n)
 
 
-def set_overlap_iterations(on: bool) -> None:
-    """Let ``forward_backward`` return once its losses are known, its backward
-    stages still running, so that consecutive iterations overlap on the
-    devices (default off). Results are bitwise the same; a failure of those
-    backward stages is raised by the next call that waits for them (the
-    next ``forward_backward``, ``step``, ``synchronize``, ...), and the failed
-    call's gradients are not applied. Calls whose inputs require grad,
-    models with buffers and synchronous steps do not overlap."""
-    if not isinstance(on, bool):
-        raise TypeError(f"set_overlap_iterations: on must be a bool, got {type(on).__name__}")
-    _C.set_overlap_iterations(on)
-
-
-def get_overlap_iterations() -> bool:
-    """Whether iteration overlap is on (set_overlap_iterations)."""
-    return _C.get_overlap_iterations()
-
-
 __all__ = [
     "RoundPipe", "AutoRoundPipe", "wrap_model_to_roundpipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
     "save_for_recompute", "doing_recompute", "get_recompute_data", "get_num_devices",
-    "set_sync_warmup_steps", "set_overlap_iterations", "get_overlap_iterations", "save_checkpoint", "load_checkpoint",
+    "set_sync_warmup_steps", "save_checkpoint", "load_checkpoint",
     "data", "distributed", "microbatch", "optim", "presets", "safetensors", "timer", "trace",
 ]

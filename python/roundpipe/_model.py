@@ -84,6 +84,11 @@ class RoundPipe(nn.Module):
       ``roundpipe.distributed.ProcessGroup`` (rank 0's parameters, buffers and
       seed are copied here; ``step`` combines the processes' gradients);
       ``gradient_reduction``: ``"sum"`` (default) or ``"mean"``.
+    - ``overlap_iterations``: ``forward_backward`` returns at its losses while
+      its backward stages still run (default ``True``, bitwise the same
+      results); ``False``: every call returns when it has ended.
+    - ``sync_warmup_steps``: the first n steps run synchronously before the
+      one-step delay starts (default: ``set_sync_warmup_steps``'s, 0).
 
     As a module, the wrapped model is its submodule ``model``: parameters,
     buffers and state dict keys are the wrapped model's under ``model.``, and
@@ -94,10 +99,11 @@ class RoundPipe(nn.Module):
 
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
-                      "_gradient_reduction", "_pin_model", "_default_merge"))
+                      "_gradient_reduction", "_pin_model", "_default_merge", "_overlap_iterations",
+                      "_sync_warmup_steps"))
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
-                 process_group=None, gradient_reduction="sum"):
+                 process_group=None, gradient_reduction="sum", overlap_iterations=True, sync_warmup_steps=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be a torch.nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
@@ -115,6 +121,13 @@ class RoundPipe(nn.Module):
             process_group = converted
         if gradient_reduction not in ("sum", "mean"):
             raise ValueError(f"RoundPipe: gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
+        if not isinstance(overlap_iterations, bool):
+            raise TypeError(f"RoundPipe: overlap_iterations must be a bool, got {overlap_iterations!r}")
+        if sync_warmup_steps is not None:
+            if isinstance(sync_warmup_steps, bool) or not isinstance(sync_warmup_steps, int):
+                raise TypeError(f"RoundPipe: sync_warmup_steps must be an int or None, got {sync_warmup_steps!r}")
+            if sync_warmup_steps < 0:
+                raise ValueError(f"RoundPipe: sync_warmup_steps must be >= 0, got {sync_warmup_steps}")
         if model_run_config is None:
             model_run_config = RoundPipeRunConfig()
         if not isinstance(model_run_config, RoundPipeRunConfig):
@@ -131,6 +144,8 @@ class RoundPipe(nn.Module):
         own["_process_group"] = process_group
         own["_gradient_reduction"] = gradient_reduction
         own["_pin_model"] = pin_model
+        own["_overlap_iterations"] = overlap_iterations
+        own["_sync_warmup_steps"] = sync_warmup_steps
         if isinstance(model, nn.Sequential):
             if len(model) == 0:
                 raise ValueError("RoundPipe: the Sequential has no layers")
@@ -146,7 +161,8 @@ class RoundPipe(nn.Module):
     def _build_engine(self):
         own = self.__dict__
         own["_engine"] = _C.Engine(self._layers, self.name, self._optim_dtype, self._run_config,
-                                   self._process_group, self._gradient_reduction, self._pin_model)
+                                   self._process_group, self._gradient_reduction, self._pin_model,
+                                   self._overlap_iterations, self._sync_warmup_steps)
         _live_engines.add(self._engine)
         # Optimizer copy of each master parameter (for named access and ties).
         self.training = all(layer.training for layer in self._layers)

@@ -172,6 +172,7 @@ void Call::fail(std::exception_ptr error, const std::string& context) {
     error_ = std::move(error);
     context_ = context;
   }
+  if (buffer_out) buffer_out->fail();
   slots_cv_.notify_all();
   host_cv_.notify_all();
 }

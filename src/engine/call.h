@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/autocast_state.h"
+#include "engine/buffer_handoff.h"
 #include "engine/layer.h"
 #include "engine/param_gate.h"
 #include "engine/recompute_context.h"
@@ -62,6 +63,9 @@ struct ModelView {
   // (the latest step's optimizer -> model copy issued before the call).
   const ParamGate* gate;
   int64_t generation;
+  // Where uploads read the layers' buffers: what an earlier call still
+  // running left (its forward's, once downloaded); null: the host buffers.
+  std::shared_ptr<const BufferHandoff> buffer_source;
 };
 
 // The tensors of one stage on one device, uploaded in one batch.
@@ -117,6 +121,9 @@ class Call {
   const LossFn* loss_fn = nullptr;
   bool keep_outputs = false;              // fused calls: return the outputs too
   bool trace = false;                     // record spans for the timeline trace
+  // The buffers this call's forward leaves, for the calls issued while it
+  // runs (null: none will be); failed with the call.
+  std::shared_ptr<BufferHandoff> buffer_out;
 
   // flow[j][m]: input of job j for microbatch m; flow[jobs.size()][m]: result
   // of the last job (outputs on the host, or input gradients).

@@ -265,9 +265,7 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   TORCH_CHECK_VALUE(!path.empty(), "save_checkpoint: the path is empty");
   // The step in flight finishes, but its result stays out of the masters:
   // the next calls must still see θ_{k-1}. Both generations are saved.
-  m.finish_in_flight();
-  m.drain_optimizer();
-  m.rethrow_step_error();
+  m.quiesce();
   if (m.group) {
     // Gradients not yet combined differ between the processes: they would
     // be lost (or counted as rank 0's only) on resume.
@@ -367,9 +365,7 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
 
 PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr<RoundPipe::Impl>& model) {
   RoundPipe::Impl& m = *model;
-  m.finish_in_flight();
-  m.drain_optimizer();
-  m.rethrow_step_error();
+  m.quiesce();
   torch::serialize::InputArchive ar;
   read_checkpoint_file(path, ar);
   Reader r{path, ar};
@@ -465,8 +461,10 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
 
 void PendingCheckpoint::apply() {
   RoundPipe::Impl& m = *model;
+  // Nothing may run while the state is replaced.
   m.finish_in_flight();
-  m.drain_optimizer();  // nothing may run while the state is replaced
+  m.drain_optimizer();
+  m.record_calls_finished_by_steps();
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.detach().copy_(src);
   auto& params = m.store->params();
@@ -487,6 +485,8 @@ void PendingCheckpoint::apply() {
   }
   m.seed = seed;
   m.next_call_id = next_call_id;
+  m.host_buffers_call = -1;  // the loaded buffers are the latest
+  m.unwritten_buffers.reset();
   m.steps_issued = steps_issued;
   m.model_behind_optimizer = model_behind_optimizer;
   m.timer.load_state(timer);

@@ -410,6 +410,7 @@ class JobRunner {
         if (b.defined()) bytes += static_cast<int64_t>(b.nbytes());
       }
       c_.buffers[j_].emplace_back(l, dev_.download(bufs));  // complete at the job's fences
+      if (c_.buffer_out) c_.buffer_out->publish(l, c_.buffers[j_].back().second, dev_.lane_fence(Lane::kDownload));
     }
     if (bytes > 0) add_span(TraceLane::kDownload, Lane::kDownload, "download", "buffers", j_, -1, bytes, start);
   }

@@ -26,6 +26,7 @@
 #include "engine/host_store.h"
 #include "engine/layer.h"
 #include "engine/param_gate.h"
+#include "engine/planner.h"
 #include "engine/rng.h"
 #include "engine/tracer.h"
 #include "engine/value_tree.h"
@@ -34,7 +35,6 @@
 #include "roundpipe/optimizer.h"
 #include "roundpipe/timer.h"
 #include "runtime/device_pool.h"
-#include "schedule/plan_search.h"
 #include "util/worker_thread.h"
 
 namespace roundpipe {
@@ -46,20 +46,29 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
                                       torch::nn::Sequential seq);
 
  private:
+  // The devices a model with RoundPipeOptions::max_devices `max` uses.
+  static int64_t devices_of(int64_t max) {
+    const int64_t pool = DevicePool::instance().size();
+    TORCH_CHECK_VALUE(max >= 0 && max <= pool, "RoundPipe: max_devices must be in 0..", pool,
+                      " (0 = all devices of the pool), got ", max);
+    return max == 0 ? pool : max;
+  }
+
   Impl(std::vector<std::shared_ptr<Layer>> layers_in, RoundPipeOptions options,
        torch::nn::Sequential seq_in)
       : name(std::move(options.name)),
         defaults(std::move(options.run_config)),
         seq(std::move(seq_in)),
         layers(std::move(layers_in)),
-        timer(static_cast<int64_t>(layers.size())) {
+        timer(static_cast<int64_t>(layers.size())),
+        overlap_iterations(options.overlap_iterations),
+        sync_warmup_steps(options.sync_warmup_steps.value_or(get_sync_warmup_steps())),
+        num_devices(devices_of(options.max_devices)),
+        planner(num_devices, overlap_iterations) {
     TORCH_CHECK_VALUE(!layers.empty(), "RoundPipe: the model has no layers");
+    TORCH_CHECK_VALUE(sync_warmup_steps >= 0, "RoundPipe: sync_warmup_steps must be >= 0, got ", sync_warmup_steps);
     DevicePool& pool = DevicePool::instance();
     Tracer::instance();  // starts tracing when ROUNDPIPE_TRACE is set
-    TORCH_CHECK_VALUE(options.max_devices >= 0 && options.max_devices <= pool.size(),
-                      "RoundPipe: max_devices must be in 0..", pool.size(),
-                      " (0 = all devices of the pool), got ", options.max_devices);
-    num_devices = options.max_devices == 0 ? pool.size() : options.max_devices;
     for (const auto& layer : layers) layer->make_replicas(static_cast<int>(num_devices));
     if (options.seed) {
       seed = *options.seed;
@@ -110,30 +119,10 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     return plan;
   }
 
-  // A new automatic plan must be predicted this much faster than the current
-  // one to replace it. With upper_threshold 1.1 this keeps plans put under
-  // +-5% timing noise (auto_plan.h: 1.1 * 1.05 / 0.95 <= 1 / (1 - 0.2)).
-  static constexpr double kPlanMinGain = 0.2;
-
   // The plan a call of `kind` with `num_microbatch` microbatches uses when
-  // none is given: auto_plan over layer_costs() with one stage per device at
-  // least, kept while a new one is not materially better (kPlanMinGain).
-  // Fused calls whose iterations overlap, on two devices or more, once
-  // every layer is timed, take the plan search_overlapped_plan finds from it
-  // (plan_search.h), searched again only when that plan or M changes.
+  // none is given (planner.h).
   ModelExecutePlan automatic_plan(RunKind kind, int64_t num_microbatch) {
-    const LayerCosts costs = layer_costs();
-    AutoPlanOptions options;
-    options.set_run_kind(kind).set_min_stages(num_devices).set_upper_threshold(1.1);
-    ModelExecutePlan candidate = auto_plan({costs}, options).front();
-    ModelExecutePlan& current = automatic_plans[static_cast<size_t>(kind)];
-    current = choose_plan(current, candidate, costs, kind, kPlanMinGain);
-    if (kind != RunKind::kFused || !iterations_overlap() || num_devices < 2 || !layers_timed()) return current;
-    if (!(searched.from == current) || searched.num_microbatch != num_microbatch) {
-      searched = {current, num_microbatch,
-                  search_overlapped_plan(costs, current, num_devices, num_microbatch).plan};
-    }
-    return searched.plan;
+    return planner.plan(kind, num_microbatch, layer_costs(), layers_timed());
   }
 
   // Per-layer costs for planning: the timer's estimates once every layer has
@@ -153,11 +142,10 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     return costs;
   }
 
-  // This model's forward_backward calls return at their losses: iteration
-  // overlap is on (set_overlap_iterations) and the model has no buffers
-  // (commit writes them back, which the next call's uploads would race
-  // with). A call whose inputs require grad still waits for its end.
-  bool iterations_overlap() const { return get_overlap_iterations() && !has_buffers; }
+  // This model's forward_backward calls return at their losses
+  // (RoundPipeOptions::overlap_iterations). A call whose inputs require
+  // grad still waits for its end.
+  bool iterations_overlap() const { return overlap_iterations; }
 
   // Every layer has a forward time estimate.
   bool layers_timed() const {
@@ -185,7 +173,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   std::shared_ptr<Call> new_call(int64_t m, const RunConfig& cfg) {
     auto call = std::make_shared<Call>();
     call->model = ModelView{name, &layers, store.get(), seed, group ? group->rank() * m : 0,
-                            param_gate.get(), param_gate->issued()};
+                            param_gate.get(), param_gate->issued(), unwritten_buffers};
     call->num_microbatch = m;
     call->grain = cfg.recompute_grain().value_or(RecomputeGrain::kStage);
     call->preserve_rng = cfg.preserve_rng_state().value_or(true);
@@ -298,6 +286,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // it changes nothing; rethrows `error`.
   [[noreturn]] void cancel_and_rethrow(Call& call, std::exception_ptr error) {
     call.fail(std::make_exception_ptr(std::runtime_error("cancelled")), "");
+    forget_buffers_of(call);
     try {
       call.wait_all();
     } catch (...) {
@@ -312,8 +301,24 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     if (!in_flight) return;
     std::shared_ptr<Call> call = std::move(in_flight);
     in_flight.reset();
-    finish(*call);
+    try {
+      finish(*call);
+    } catch (...) {
+      forget_buffers_of(*call);
+      throw;
+    }
     commit(*call);
+  }
+
+  // Nothing of this model runs any more: no call in flight, the optimizer
+  // thread idle, every call it finished applied; then the first error of an
+  // asynchronous step_fn, if any, is raised. What reads or replaces the
+  // model's state starts here.
+  void quiesce() {
+    finish_in_flight();
+    drain_optimizer();
+    record_calls_finished_by_steps();
+    rethrow_step_error();
   }
 
   // Timings and traces of the calls whose completion a step awaited on the
@@ -325,7 +330,12 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
       calls.swap(finished_by_steps);
     }
     for (const auto& call : calls) {
-      if (!call->failed()) record_layer_times(*call, timer);
+      if (call->failed()) {
+        forget_buffers_of(*call);
+      } else {
+        record_layer_times(*call, timer);
+        commit_buffers(*call);
+      }
       add_to_trace(*call);
     }
   }
@@ -342,6 +352,11 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // Applies a successful call: gradients into the fp32 accumulators (job
   // order, so the sum does not depend on devices), then forward buffers.
   void commit(const Call& call) {
+    accumulate_gradients(call);
+    commit_buffers(call);
+  }
+
+  void accumulate_gradients(const Call& call) {
     auto& params = store->params();
     for (const auto& job_grads : call.grads) {
       for (const auto& [id, grad] : job_grads) {
@@ -353,6 +368,16 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
         }
       }
     }
+  }
+
+  // The host buffers <- what `call`'s forward left, unless a later call's
+  // are there already (a call a step finished is applied after the calls
+  // the user thread finished since).
+  void commit_buffers(const Call& call) {
+    const int64_t id = call.record ? call.record->call_id : -1;
+    bool any = false;
+    for (const auto& job_buffers : call.buffers) any = any || !job_buffers.empty();
+    if (!any || id <= host_buffers_call) return;
     for (const auto& job_buffers : call.buffers) {
       for (const auto& [l, values] : job_buffers) {
         NamedTensors host = layers[l]->named_buffers();
@@ -361,6 +386,14 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
         }
       }
     }
+    host_buffers_call = id;
+    if (unwritten_buffers && unwritten_buffers->call_id() <= id) unwritten_buffers.reset();
+  }
+
+  // `call` failed: its buffers are never applied, and calls issued from now
+  // on read the host buffers again.
+  void forget_buffers_of(const Call& call) {
+    if (unwritten_buffers && call.buffer_out == unwritten_buffers) unwritten_buffers.reset();
   }
 
   bool is_training() const { return layers.front()->is_training(); }
@@ -398,7 +431,14 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // The last call submitted returned at its losses (user thread): the
   // dispatcher then predicts the next call to start with its backward stages.
   bool last_call_overlaps = false;
-  bool has_buffers = false;  // some layer has buffers: calls do not overlap
+  bool has_buffers = false;  // some layer has buffers
+  // Buffers: the forward's of the latest call not applied yet (in flight,
+  // or finished by a step and not recorded yet), which the next calls
+  // upload instead of the host buffers; null when the host buffers are the
+  // latest. host_buffers_call: the call whose buffers the host holds (-1:
+  // none since construction or loading). User thread.
+  std::shared_ptr<BufferHandoff> unwritten_buffers;
+  int64_t host_buffers_call = -1;
 
   std::mutex optim_mu;
   std::vector<std::shared_ptr<Call>> finished_by_steps;  // guarded by optim_mu
@@ -412,14 +452,11 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   torch::nn::Sequential seq{nullptr};
   std::vector<std::shared_ptr<Layer>> layers;
   ModelTimer timer;
-  std::array<ModelExecutePlan, 3> automatic_plans;  // [RunKind]: empty until first used
-  struct SearchedPlan {
-    ModelExecutePlan from;  // the automatic fused plan it was searched from
-    int64_t num_microbatch = 0;
-    ModelExecutePlan plan;
-  } searched;
-  std::unique_ptr<HostStore> store;
+  bool overlap_iterations = true;  // RoundPipeOptions::overlap_iterations
+  int64_t sync_warmup_steps = 0;   // RoundPipeOptions::sync_warmup_steps
   int64_t num_devices = 1;
+  Planner planner;  // after num_devices and overlap_iterations, which it is made from
+  std::unique_ptr<HostStore> store;
   uint64_t seed = 0;
   int64_t next_call_id = 0;
   std::unique_ptr<ParamGate> param_gate;  // per-layer readiness of the parameters

@@ -35,13 +35,6 @@ void set_sync_warmup_steps(int64_t n) {
 
 int64_t get_sync_warmup_steps() { return sync_warmup_steps.load(); }
 
-namespace {
-std::atomic<bool> overlap_iterations{false};
-}  // namespace
-
-void set_overlap_iterations(bool on) { overlap_iterations.store(on); }
-bool get_overlap_iterations() { return overlap_iterations.load(); }
-
 OptimizerCtx::OptimizerCtx() { ++optimizer_ctx_depth; }
 OptimizerCtx::~OptimizerCtx() { --optimizer_ctx_depth; }
 bool OptimizerCtx::active() { return optimizer_ctx_depth > 0; }
@@ -125,7 +118,7 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
   rethrow_step_error();
   const int64_t k = ++steps_issued;
   detail::note_stepping_model(weak_from_this());  // where run_on_optimizer_thread goes
-  const bool delayed = is_async && k > get_sync_warmup_steps();
+  const bool delayed = is_async && k > sync_warmup_steps;
   model_behind_optimizer = delayed;
 
   // Gradients of every call issued so far, taken now (the user thread owns
@@ -264,10 +257,7 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
 }
 
 void RoundPipe::Impl::synchronize() {
-  finish_in_flight();
-  drain_optimizer();
-  record_calls_finished_by_steps();
-  rethrow_step_error();
+  quiesce();
   // After a delayed step the model holds θ_{k-1}; bring it to θ_k. (Only
   // then: a model trained directly, without step, keeps its own values.)
   if (model_behind_optimizer) write_model_parameters(param_gate->begin_write());
@@ -329,9 +319,7 @@ std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
 }
 
 void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict) {
-  impl_->finish_in_flight();
-  impl_->drain_optimizer();
-  impl_->rethrow_step_error();
+  impl_->quiesce();
   std::unordered_map<std::string, at::Tensor> given;
   for (const auto& [name, t] : state) {
     TORCH_CHECK_VALUE(given.emplace(name, t).second, "load_state_dict: '", name,
@@ -373,9 +361,7 @@ void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Ten
 }
 
 void RoundPipe::refresh_optimizer_copies() {
-  impl_->finish_in_flight();
-  impl_->drain_optimizer();
-  impl_->rethrow_step_error();
+  impl_->quiesce();
   impl_->model_behind_optimizer = false;
   impl_->copy_model_to_optimizer();
 }

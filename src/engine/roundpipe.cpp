@@ -269,17 +269,20 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   call->init_flow();
   Impl::feed_inputs(*call, inputs);
   // Overlap: this call returns at its losses, with its backward stages still
-  // running, unless the caller needs its input gradients now or the model's
-  // buffers (written back by commit) would race with the next call's uploads.
+  // running, unless the caller needs its input gradients now.
   bool overlap = m.iterations_overlap();
   for (int64_t mb = 0; mb < n && overlap; ++mb) {
     for (const at::Tensor& t : flatten_tensors(call->flow[0][mb].value)) overlap = overlap && !t.requires_grad();
   }
   if (overlap) Impl::own_inputs(*call);
+  // The calls issued while this one runs upload the buffers its forward
+  // writes, not the host buffers (written back when it is applied).
+  if (overlap && m.has_buffers) call->buffer_out = std::make_shared<BufferHandoff>(call->record->call_id, m.num_layers());
   // Submitted before the call in flight is finished: its jobs queue behind
   // that call's last backward stages.
   m.submit(call);
   m.last_call_overlaps = overlap;
+  if (call->buffer_out) m.unwritten_buffers = call->buffer_out;
   try {
     m.finish_in_flight();
   } catch (...) {
@@ -288,6 +291,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   if (!overlap) {
     m.finish(*call);  // rethrows a failure
   } else if (!call->wait_losses()) {
+    m.forget_buffers_of(*call);
     m.finish(*call);  // rethrows the failure
     overlap = m.last_call_overlaps = false;
   }
@@ -304,7 +308,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
       return 0;
     });
   } catch (...) {
-    if (overlap) m.cancel_and_rethrow(*call, std::current_exception());
+    if (overlap) m.cancel_and_rethrow(*call, std::current_exception());  // forgets its buffers
     throw;
   }
   if (overlap) {
@@ -345,7 +349,11 @@ int64_t RoundPipe::num_layers() const { return impl_->num_layers(); }
 const std::string& RoundPipe::name() const { return impl_->name; }
 int64_t RoundPipe::num_devices() const { return impl_->num_devices; }
 
-ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const { return impl_->automatic_plan(kind, impl_->num_devices + 1); }
+ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const {
+  impl_->automatic_plan(kind, impl_->num_devices + 1);  // starts a search if one is due
+  impl_->planner.wait_for_search();
+  return impl_->automatic_plan(kind, impl_->num_devices + 1);
+}
 
 const ModelTimer& RoundPipe::timer() const { return impl_->timer; }
 ModelTimer& RoundPipe::timer() { return impl_->timer; }

@@ -13,16 +13,23 @@ namespace {
 // `generation`: on a CPU device an upload issued after it waits on its
 // lane, not on the worker, so the worker goes on queueing compute (an
 // accelerator's worker synchronizes it, see transfers.h).
+// Also after the downloads of the buffers it reads from an earlier call.
 class ParamGateFence final : public Fence {
  public:
-  ParamGateFence(const ParamGate* gate, std::vector<int64_t> layers, int64_t generation)
-      : gate_(gate), layers_(std::move(layers)), generation_(generation) {}
+  ParamGateFence(const ParamGate* gate, std::vector<int64_t> layers, int64_t generation,
+                 std::vector<FencePtr> buffers_downloaded)
+      : gate_(gate), layers_(std::move(layers)), generation_(generation),
+        buffers_downloaded_(std::move(buffers_downloaded)) {}
   void synchronize() const override {
     for (int64_t l : layers_) gate_->wait(l, generation_);
+    for (const FencePtr& f : buffers_downloaded_) f->synchronize();
   }
   bool query() const override {
     for (int64_t l : layers_) {
       if (!gate_->written(l, generation_)) return false;
+    }
+    for (const FencePtr& f : buffers_downloaded_) {
+      if (!f->query()) return false;
     }
     return true;
   }
@@ -31,6 +38,7 @@ class ParamGateFence final : public Fence {
   const ParamGate* gate_;  // outlives the call, which waits for its copies
   std::vector<int64_t> layers_;
   int64_t generation_;
+  std::vector<FencePtr> buffers_downloaded_;
 };
 
 }  // namespace
@@ -89,8 +97,21 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
     }
   }
   const size_t first_buffer = host.size();
+  std::vector<FencePtr> buffers_downloaded;
   for (int64_t l = range.begin; l < range.end; ++l) {
-    for (const auto& [name, b] : layers[l]->named_buffers()) host.push_back(b);
+    if (!model.buffer_source || layers[l]->named_buffers().empty()) {
+      for (const auto& [name, b] : layers[l]->named_buffers()) host.push_back(b);
+      continue;
+    }
+    // An earlier call still running wrote them: its forward's values, on
+    // the host once its download completes (blocks until it issued it).
+    BufferHandoff::Published earlier = model.buffer_source->wait(l);
+    const NamedTensors masters = layers[l]->named_buffers();
+    TORCH_INTERNAL_ASSERT(earlier.values.size() == masters.size());
+    for (size_t i = 0; i < masters.size(); ++i) {
+      host.push_back(earlier.values[i].defined() ? earlier.values[i] : masters[i].second);  // undefined: left as it was
+    }
+    if (earlier.downloaded) buffers_downloaded.push_back(std::move(earlier.downloaded));
   }
   StageTensors st;
   if (timed) st.start = dev.mark(Lane::kParamUpload);
@@ -99,7 +120,8 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
     for (const at::Tensor& t : host) {
       if (t.defined()) st.bytes += static_cast<int64_t>(t.nbytes());
     }
-    auto gate = std::make_shared<ParamGateFence>(model.gate, std::move(gated), model.generation);
+    auto gate = std::make_shared<ParamGateFence>(model.gate, std::move(gated), model.generation,
+                                                 std::move(buffers_downloaded));
     moved = dev.upload(host, Lane::kParamUpload, gate);
     if (timed) st.end = dev.mark(Lane::kParamUpload);
     st.uploaded = dev.lane_fence(Lane::kParamUpload);

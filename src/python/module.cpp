@@ -43,9 +43,11 @@ class Engine {
  public:
   Engine(const py::list& modules, const std::string& name, const py::object& optim_dtype,
          const py::object& run_config, const py::object& process_group, const std::string& gradient_reduction,
-         const std::string& pin_model) {
+         const std::string& pin_model, bool overlap_iterations, const py::object& sync_warmup_steps) {
     RoundPipeOptions options;
     options.name = name;
+    options.overlap_iterations = overlap_iterations;
+    if (!sync_warmup_steps.is_none()) options.sync_warmup_steps = sync_warmup_steps.cast<int64_t>();
     options.pin_model = pin_mode_from_name(pin_model);
     if (!process_group.is_none()) options.process_group = process_group.cast<std::shared_ptr<ProcessGroup>>();
     TORCH_CHECK_VALUE(gradient_reduction == "sum" || gradient_reduction == "mean",
@@ -279,7 +281,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const py::list&, const std::string&, const py::object&, const py::object&,
-                    const py::object&, const std::string&, const std::string&>())
+                    const py::object&, const std::string&, const std::string&, bool, const py::object&>())
       .def("forward", &Engine::forward)
       .def("forward_backward", &Engine::forward_backward)
       .def("step", &Engine::step)
@@ -311,8 +313,6 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("set_sync_warmup_steps", &set_sync_warmup_steps);
   m.def("get_sync_warmup_steps", &get_sync_warmup_steps);
-  m.def("set_overlap_iterations", &set_overlap_iterations);
-  m.def("get_overlap_iterations", &get_overlap_iterations);
 
   py::class_<OptimizerCtx>(m, "_OptimizerCtxGuard").def(py::init<>());
   m.def("optimizer_ctx_active", &OptimizerCtx::active);

@@ -112,6 +112,7 @@ class Search {
 
   // Simulated time per iteration; infinity once the budget is spent.
   double score(const Lengths& l) {
+    if (o_.stop && o_.stop->load(std::memory_order_relaxed)) simulations_ = o_.max_simulations;  // ends every loop
     if (simulations_ >= o_.max_simulations) return std::numeric_limits<double>::infinity();
     ++simulations_;
     const double s = simulate(samples_[0], l);
@@ -312,8 +313,10 @@ PlanSearchResult search_fused_plan(const LayerCosts& costs, const ModelExecutePl
 }
 
 PlanSearchResult search_overlapped_plan(const LayerCosts& costs, const ModelExecutePlan& balanced,
-                                        int64_t num_devices, int64_t num_microbatch) {
+                                        int64_t num_devices, int64_t num_microbatch,
+                                        const std::atomic<bool>* stop) {
   PlanSearchOptions options;
+  options.stop = stop;
   options.num_devices = num_devices;
   options.num_microbatch = num_microbatch;
   options.min_stages = num_devices;

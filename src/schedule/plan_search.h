@@ -19,12 +19,14 @@
 // the simulation budget is spent. The result is the best plan seen; equal
 // inputs give equal plans.
 //
-// Thread-safety: pure function of its arguments.
+// Thread-safety: pure function of its arguments (PlanSearchOptions::stop
+// aside).
 #pragma once
 
 #include <roundpipe/auto_plan.h>
 #include <roundpipe/plan.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace roundpipe {
@@ -48,6 +50,9 @@ struct PlanSearchOptions {
   double link_gbps = 25.0;
   // Simulations the search may run, >= 1.
   int64_t max_simulations = 400;
+  // Set from another thread to end the search at its next simulation (the
+  // best plan so far is returned). Null: never.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 struct PlanSearchResult {
@@ -67,9 +72,10 @@ PlanSearchResult search_fused_plan(const LayerCosts& costs, const ModelExecutePl
 // The engine's automatic plan for fused calls whose iterations overlap on
 // `num_devices` devices with `num_microbatch` microbatches: search_fused_plan
 // from `balanced` (auto_plan's) with a stage per device at least and the
-// other options at their defaults. The engine, roundpipe-sim and B4 plan
-// with it.
+// other options at their defaults (`stop` as PlanSearchOptions::stop). The
+// engine, roundpipe-sim and B4 plan with it.
 PlanSearchResult search_overlapped_plan(const LayerCosts& costs, const ModelExecutePlan& balanced,
-                                        int64_t num_devices, int64_t num_microbatch);
+                                        int64_t num_devices, int64_t num_microbatch,
+                                        const std::atomic<bool>* stop = nullptr);
 
 }  // namespace roundpipe

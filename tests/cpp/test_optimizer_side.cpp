@@ -46,8 +46,8 @@ void set_values(torch::nn::Sequential& net, const std::vector<at::Tensor>& value
 
 // Trains with roundpipe for `steps` steps; warm-up steps are synchronous.
 std::vector<at::Tensor> train_roundpipe(torch::nn::Sequential net, const Data& d, bool is_async,
-                                        int64_t devices) {
-  RoundPipe model(net, RoundPipeOptions().set_max_devices(devices));
+                                        int64_t devices, RoundPipeOptions options = {}) {
+  RoundPipe model(net, options.set_max_devices(devices));
   torch::optim::Adam opt(model.optim_parameters(), torch::optim::AdamOptions(1e-2));
   for (size_t k = 0; k < d.xs.size(); ++k) {
     model.forward_backward({d.xs[k]}, make_kwargs(), d.ys[k], mse(), false, RunConfig().num_microbatch(3));
@@ -118,13 +118,21 @@ TEST(Step, WarmupStepsAreSynchronousThenTheDelayStarts) {
   torch::nn::Sequential net = make_mlp();
   torch::nn::Sequential ref = copy_of(net);
   Data d = make_data(5);
-  set_sync_warmup_steps(2);
-  auto got = train_roundpipe(net, d, /*is_async=*/true, 2);
-  set_sync_warmup_steps(0);
-  expect_all_close(got, delayed_reference(copy_of(ref), d, 2), 1e-6, "parameters with 2 warm-up steps");
-  EXPECT_FALSE(torch::allclose(got[0], delayed_reference(copy_of(ref), d, 1)[0]));
-  EXPECT_FALSE(torch::allclose(got[0], delayed_reference(copy_of(ref), d, 3)[0]));
+  // The per-model option; then the deprecated process-wide default it falls back to.
+  for (bool per_model : {true, false}) {
+    SCOPED_TRACE(per_model ? "RoundPipeOptions::sync_warmup_steps" : "set_sync_warmup_steps");
+    torch::nn::Sequential trained = copy_of(ref);
+    RoundPipeOptions options;
+    if (per_model) options.set_sync_warmup_steps(2);
+    if (!per_model) set_sync_warmup_steps(2);
+    auto got = train_roundpipe(trained, d, /*is_async=*/true, 2, options);
+    set_sync_warmup_steps(0);
+    expect_all_close(got, delayed_reference(copy_of(ref), d, 2), 1e-6, "parameters with 2 warm-up steps");
+    EXPECT_FALSE(torch::allclose(got[0], delayed_reference(copy_of(ref), d, 1)[0]));
+    EXPECT_FALSE(torch::allclose(got[0], delayed_reference(copy_of(ref), d, 3)[0]));
+  }
   EXPECT_THROW(set_sync_warmup_steps(-1), c10::ValueError);
+  EXPECT_THROW(RoundPipe(copy_of(ref), RoundPipeOptions().set_sync_warmup_steps(-1)), c10::ValueError);
 }
 
 TEST(Step, ParametersRedirectToOptimizerCopiesInsideStepFnAndOptimizerCtx) {

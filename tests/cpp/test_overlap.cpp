@@ -1,5 +1,5 @@
-// Iteration overlap (set_overlap_iterations): forward_backward returns at its
-// losses with its backward stages in flight. Results must be bitwise those
+// Iteration overlap (the default; RoundPipeOptions::overlap_iterations):
+// forward_backward returns at its losses with its backward stages in flight. Results must be bitwise those
 // without overlap, on any device count and with delayed copies; the next
 // call must start before the previous one ends; a failure of the backward
 // stages is raised once, by a later call, and applies nothing.
@@ -25,16 +25,6 @@ namespace {
 
 using testing::make_mlp;
 
-// Sets iteration overlap for one test, then restores it.
-class Overlap {
- public:
-  explicit Overlap(bool on) : before_(get_overlap_iterations()) { set_overlap_iterations(on); }
-  ~Overlap() { set_overlap_iterations(before_); }
-
- private:
-  bool before_;
-};
-
 // make_mlp's 9 layers: 2 forward stages, the fused stage, 2 backward stages.
 ModelExecutePlan mlp_plan() {
   ModelExecutePlan plan;
@@ -51,9 +41,8 @@ struct Trained {
 // `iterations` asynchronous SGD steps (momentum) over fixed batches; with
 // `scribble`, the caller overwrites each batch as soon as its call returns.
 Trained train(bool overlap, int64_t devices, int iterations = 5, bool scribble = false) {
-  Overlap mode(overlap);
   torch::manual_seed(7);
-  RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(devices).set_seed(11));
+  RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(devices).set_seed(11).set_overlap_iterations(overlap));
   torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(mlp_plan());
   Trained out;
@@ -107,7 +96,6 @@ TEST(IterationOverlap, TheCallerMayReuseItsInputsAsSoonAsTheCallReturns) {
 }
 
 TEST(IterationOverlap, TheNextCallStartsBeforeThePreviousOneEnds) {
-  Overlap mode(true);
   auto devices = testing::cpu_devices();
   for (int d = 0; d < 3; ++d) devices.at(d)->set_layer_delay(std::chrono::milliseconds(2));
   torch::manual_seed(1);
@@ -181,8 +169,7 @@ TEST(IterationOverlap, ABackwardFailureIsRaisedOnceByALaterCallAndAppliesNothing
   // raises the failure; afterwards both train to the same parameters.
   const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(mlp_plan());
   auto run = [&](bool with_failure) {
-    Overlap mode(true);
-    torch::manual_seed(3);
+      torch::manual_seed(3);
     RoundPipe model(planted_mlp(), RoundPipeOptions().set_max_devices(3).set_seed(5));
     torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.05));
     auto step = [&] {
@@ -233,7 +220,6 @@ TEST(IterationOverlap, ABackwardFailureIsRaisedOnceByALaterCallAndAppliesNothing
 }
 
 TEST(IterationOverlap, DestroyingAModelWithBackwardStagesInFlightFinishesThem) {
-  Overlap mode(true);
   auto devices = testing::cpu_devices();
   for (int d = 0; d < 2; ++d) devices.at(d)->set_layer_delay(std::chrono::milliseconds(3));
   {

@@ -148,12 +148,10 @@ TEST(PlanSearch, TheEngineSearchesItsAutomaticPlanOnlyWhenIterationsOverlap) {
   // Without overlap the automatic fused plan is auto_plan's (with
   // hysteresis); with it, a plan the search returns: valid, with a stage per device at least, and
   // not simulated slower than auto_plan's on the model's own estimates.
-  const bool before = get_overlap_iterations();
   for (bool overlap : {false, true}) {
     SCOPED_TRACE(overlap ? "overlap" : "no overlap");
-    set_overlap_iterations(overlap);
     torch::manual_seed(5);
-    RoundPipe model(testing::make_mlp(16, 7, 4), RoundPipeOptions().set_max_devices(3).set_name("searched"));
+    RoundPipe model(testing::make_mlp(16, 7, 4), RoundPipeOptions().set_max_devices(3).set_name("searched").set_overlap_iterations(overlap));
     torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.01));
     for (int i = 0; i < 3; ++i) {
       model.forward_backward({torch::randn({8, 16})}, make_kwargs(), torch::randn({8, 4}), testing::mse_loss_fn(),
@@ -181,7 +179,6 @@ TEST(PlanSearch, TheEngineSearchesItsAutomaticPlanOnlyWhenIterationsOverlap) {
     EXPECT_LE(SimulatedMs(costs, plan, o), 1.25 * SimulatedMs(costs, balanced, o))
         << plan.to_string() << " vs " << balanced.to_string();
   }
-  set_overlap_iterations(before);
 }
 
 }  // namespace

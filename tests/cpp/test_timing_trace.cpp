@@ -480,7 +480,8 @@ TEST(Simulator, PredictsARealRunsIterationTimeWithinTenPercent) {
   // simulator (CPU executor, the same copy delay) must predict the run's
   // iteration time within 10 %.
   testing::CopyDelay delay(static_cast<int64_t>(kCalCopyDelayMs * 1000));
-  RoundPipe model(calibration_net(), RoundPipeOptions().set_max_devices(kCalDevices));
+  // One iteration alone: each call returns when it has ended.
+  RoundPipe model(calibration_net(), RoundPipeOptions().set_max_devices(kCalDevices).set_overlap_iterations(false));
   const ModelExecutePlan plan = calibration_plan();
   const RunConfig cfg = RunConfig().num_microbatch(kCalMicrobatches).execute_plan(plan);
   const at::Tensor x = torch::randn({kCalBatch, kCalWidth}), y = torch::randn({kCalBatch, kCalWidth});
@@ -512,8 +513,6 @@ TEST(Simulator, PredictsAnOverlappedRunsIterationTimeWithinTenPercent) {
   // run's steady-state time per iteration.
   constexpr int64_t kWarmup = 3, kMeasured = 6;
   testing::CopyDelay delay(static_cast<int64_t>(kCalCopyDelayMs * 1000));
-  const bool overlap_before = get_overlap_iterations();
-  set_overlap_iterations(true);
   RoundPipe model(calibration_net(), RoundPipeOptions().set_max_devices(kCalDevices));
   torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(1e-3));
   const ModelExecutePlan plan = calibration_plan();
@@ -529,7 +528,6 @@ TEST(Simulator, PredictsAnOverlappedRunsIterationTimeWithinTenPercent) {
     });
   }
   model.synchronize();
-  set_overlap_iterations(overlap_before);
   const double measured_ms =
       std::chrono::duration<double, std::milli>(returned[kWarmup + kMeasured] - returned[kWarmup]).count() / kMeasured;
 

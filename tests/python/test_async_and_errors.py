@@ -49,19 +49,15 @@ def reference_delayed(ref, steps, warmup, lr=1e-2):
 def test_async_trajectory_matches_one_step_delay_reference(warmup):
     net = value_model()
     ref = copy.deepcopy(net)
-    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=M))
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=M), sync_warmup_steps=warmup)
     with OptimizerCtx():
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    roundpipe.set_sync_warmup_steps(warmup)
-    try:
-        losses = []
-        for i in range(6):
-            x, y = data(i)
-            losses.append(model.forward_backward((x,), label=y, loss_fn=mse_loss_fn(M)))
-            model.step(lambda: (opt.step(), opt.zero_grad()))
-        model.synchronize()
-    finally:
-        roundpipe.set_sync_warmup_steps(0)
+    losses = []
+    for i in range(6):
+        x, y = data(i)
+        losses.append(model.forward_backward((x,), label=y, loss_fn=mse_loss_fn(M)))
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
     ref_losses, ref_copies = reference_delayed(ref, 6, warmup)
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert_close(a, b, what=f"loss {i}")
