@@ -195,8 +195,8 @@ MicrobatchRule ParseMicrobatches(const std::string& text, const std::string& whe
 IterationOverlap ParseOverlap(const std::string& s, const std::string& where) {
   if (s == "full") return IterationOverlap::kFull;
   if (s == "after-losses") return IterationOverlap::kAfterLosses;
-  Fail(where + " is '" + s + "': use full (every iteration issued at once) or after-losses (as the engine with "
-       "set_overlap_iterations(true))");
+  Fail(where + " is '" + s + "': use full (every iteration issued at once) or after-losses (as the engine runs by "
+       "its default)");
 }
 
 SimExecutor ParseExecutor(const std::string& s, const std::string& where) {
@@ -382,8 +382,8 @@ int main(int argc, char** argv) {
   app.add_option("--executor", executor,
                  "accelerator (GPUs, default) or cpu (CPU devices: compute runs on the worker)");
   app.add_option("--overlap", overlap,
-                 "full (every iteration issued at once, default) or after-losses (the engine with "
-                 "set_overlap_iterations(true): the next call at the losses, one parameter copy)");
+                 "full (every iteration issued at once, default) or after-losses (the engine by "
+                 "its default: the next call at the losses, one parameter copy)");
   app.add_option("--copy-delay-us", copy_delay_us,
                  "every copy starts this long after it is issued, us (CPU devices' "
                  "ROUNDPIPE_CPU_COPY_DELAY_US; default 0)");

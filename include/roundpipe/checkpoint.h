@@ -20,7 +20,8 @@
 // the masters are one step behind); the ModelTimer state; and what the
 // CheckpointState names. Not saved: automatic plans (they follow from the
 // timer and the device count; use a fixed ModelExecutePlan for a bitwise
-// resume on another device count), the process-wide set_sync_warmup_steps.
+// resume on another device count), the model's options (overlap_iterations,
+// sync_warmup_steps: given again when the model is built).
 // GradScaler: its state_dict() (torch's keys) is saved. That is its whole
 // state with update(is_async=false); with asynchronous updates a growth or
 // backoff still pending at the save takes effect one update later after a

@@ -260,6 +260,12 @@ class RoundPipe(nn.Module):
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        """The model's buffers as the latest call left them (a call still
+        running is waited for)."""
+        self._engine.wait_published()
+        return nn.Module.named_buffers(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
     # ---- module behaviour --------------------------------------------------
 
     def train(self, mode=True):

@@ -390,6 +390,27 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
     if (unwritten_buffers && unwritten_buffers->call_id() <= id) unwritten_buffers.reset();
   }
 
+  // The host buffers <- those of the latest call issued (user thread): a
+  // call in flight is finished and applied (its failure raised), one a step
+  // took is waited for (its failure is the step's to report). What reads
+  // the host buffers (state_dict) starts here.
+  void apply_unwritten_buffers() {
+    if (!unwritten_buffers) return;
+    if (in_flight && in_flight->buffer_out == unwritten_buffers) finish_in_flight();
+    if (!unwritten_buffers) return;
+    std::shared_ptr<Call> call = unwritten_call.lock();  // taken by a step
+    if (!call) return;
+    try {
+      call->wait_all();
+    } catch (...) {
+    }
+    if (call->failed()) {
+      forget_buffers_of(*call);
+    } else {
+      commit_buffers(*call);
+    }
+  }
+
   // `call` failed: its buffers are never applied, and calls issued from now
   // on read the host buffers again.
   void forget_buffers_of(const Call& call) {
@@ -424,6 +445,12 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   void wait_published() const {
     if (!optimizer_thread->on_this_thread()) param_gate->wait_all(param_gate->issued());
   }
+  // wait_published(), and the host buffers those of the latest call.
+  void wait_state_current() {
+    if (optimizer_thread->on_this_thread()) return;
+    apply_unwritten_buffers();
+    wait_published();
+  }
 
   // A forward_backward whose backward stages still run (iteration overlap;
   // user thread). A step takes it to the optimizer thread.
@@ -438,6 +465,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   // latest. host_buffers_call: the call whose buffers the host holds (-1:
   // none since construction or loading). User thread.
   std::shared_ptr<BufferHandoff> unwritten_buffers;
+  std::weak_ptr<Call> unwritten_call;  // the call that makes unwritten_buffers
   int64_t host_buffers_call = -1;
 
   std::mutex optim_mu;
@@ -471,11 +499,21 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
 
  public:
   ~Impl() {
-    if (!in_flight) return;
-    try {  // its jobs use the layers and the store: they end first
-      in_flight->wait_all();
+    if (in_flight) {
+      try {  // its jobs use the layers and the store: they end first
+        in_flight->wait_all();
+      } catch (...) {
+      }
+      add_to_trace(*in_flight);
+    }
+    // The calls steps finish belong in the trace too (a trace written at
+    // exit shows every call).
+    try {
+      if (optimizer_thread) drain_optimizer();
     } catch (...) {
     }
+    std::lock_guard<std::mutex> lock(optim_mu);
+    for (const auto& call : finished_by_steps) add_to_trace(*call);
   }
 };
 

@@ -116,9 +116,12 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
   // iteration, and when it is longer the next step waits here.
   drain_optimizer();
   rethrow_step_error();
+  const bool delayed = is_async && steps_issued + 1 > sync_warmup_steps;
+  // A synchronous step leaves nothing running: the call in flight is
+  // applied here (its buffers too), its failure raised before the step.
+  if (!delayed) finish_in_flight();
   const int64_t k = ++steps_issued;
   detail::note_stepping_model(weak_from_this());  // where run_on_optimizer_thread goes
-  const bool delayed = is_async && k > sync_warmup_steps;
   model_behind_optimizer = delayed;
 
   // Gradients of every call issued so far, taken now (the user thread owns
@@ -308,7 +311,7 @@ std::vector<at::Tensor> RoundPipe::parameters() const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
-  impl_->wait_published();
+  impl_->wait_state_current();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t l = 0; l < impl_->layers.size(); ++l) {
     const std::string prefix = std::to_string(l) + ".";

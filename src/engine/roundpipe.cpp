@@ -282,7 +282,10 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
   // that call's last backward stages.
   m.submit(call);
   m.last_call_overlaps = overlap;
-  if (call->buffer_out) m.unwritten_buffers = call->buffer_out;
+  if (call->buffer_out) {
+    m.unwritten_buffers = call->buffer_out;
+    m.unwritten_call = call;
+  }
   try {
     m.finish_in_flight();
   } catch (...) {

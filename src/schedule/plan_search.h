@@ -35,7 +35,7 @@ struct PlanSearchOptions {
   // Devices D >= 1 and microbatches M >= 1 of the calls the plan is for.
   int64_t num_devices = 1;
   int64_t num_microbatch = 1;
-  // Iterations overlap (set_overlap_iterations): the score is the steady
+  // Iterations overlap (the engine's default): the score is the steady
   // state's time per iteration (IterationOverlap::kAfterLosses); otherwise
   // one iteration alone.
   bool overlap = true;

@@ -24,7 +24,7 @@
 //    program. With IterationOverlap::kFull (default) the host submits every
 //    iteration at once, so each device's FIFO holds its jobs of all
 //    iterations in submission order; kAfterLosses is what the engine does
-//    with set_overlap_iterations(true) (below), and without it the engine
+//    by default (below), and with overlap_iterations off the engine
 //    gets the single-iteration figure (docs/design/engine.md, B4).
 //  - A device's worker issues its programs' operations in order and waits
 //    only for a stage slot (kTakeSlot): everything it issues after a slot

@@ -279,29 +279,30 @@ def test_state_dict_and_parameters_during_an_async_step_are_the_published_values
     model = RoundPipe(net)
     with OptimizerCtx():
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    published = {}
+    published = []  # [k - 1]: θ_k, which step k + 1 (asynchronous) publishes into the model
 
     def step_fn():
         opt.step()
         opt.zero_grad()
-        # θ_k, which the next asynchronous step publishes into the model.
-        published["after"] = [p.detach().clone() for p in model.optim_parameters()]
+        published.append([p.detach().clone() for p in model.optim_parameters()])
 
     x, y = torch.randn(4, 2048), torch.randn(4, 2)
+    steps = 0
     for _ in range(3):
         model.forward_backward(input_args=(x,), label=y, loss_fn=torch.nn.functional.mse_loss)
-        expected = published.get("after")
-        model.step(step_fn, is_async=True)
-        if expected is None:
+        model.step(step_fn, is_async=True)  # runs once step_fn of the step before has (θ_{k-1} is known)
+        steps += 1
+        if steps < 2:
             continue
+        expected = published[steps - 2]
         state = {k: v.clone() for k, v in model.state_dict().items()}  # read at once
         for (name, _), want in zip(net.named_parameters(), expected):
             assert torch.equal(state["model." + name], want), name
         model.forward_backward(input_args=(x,), label=y, loss_fn=torch.nn.functional.mse_loss)
-        expected = published["after"]
         model.step(step_fn, is_async=True)
+        steps += 1
         got = [p.detach().clone() for p in model.parameters()]
-        for g, want in zip(got, expected):
+        for g, want in zip(got, published[steps - 2]):
             assert torch.equal(g, want)
     model.synchronize()
 
@@ -341,6 +342,7 @@ def test_conditional_dropout_is_recomputed_exactly(grain):
         cfg = RoundPipeRunConfig(num_microbatch=4, recompute_grain=grain)
         loss = model.forward_backward(input_args=(x,), label=y, loss_fn=torch.nn.functional.mse_loss,
                                       run_config=cfg)
+        model.synchronize()  # the recomputations run in the backward stages, which may still run until then
         forward_keys = [k for k in ConditionalDropout.masks if not k[1]]
         assert len(forward_keys) == 4
         for key in forward_keys:

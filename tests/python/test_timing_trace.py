@@ -27,6 +27,7 @@ def train(model, calls, **config):
     for _ in range(calls):
         x, y = torch.randn(4, 8), torch.randn(4, 2)
         model.forward_backward(input_args=(x,), label=y, loss_fn=nn.functional.mse_loss, run_config=cfg)
+    model.synchronize()  # the timings of a call are recorded once it has ended
 
 
 def test_verbose_prints_one_line_per_layer_and_action(capfd):
