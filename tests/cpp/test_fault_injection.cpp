@@ -136,6 +136,7 @@ TEST(InjectedFault, EveryKindFailsOnEveryDeviceAndTheSweepSkipsOnlyPastTheLastOp
         try {
           model.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(), false,
                                  config());
+          model.synchronize();  // a failure after the losses is raised here
         } catch (const c10::Error&) {
           failed = true;
         }

@@ -105,6 +105,7 @@ TEST(Overlap, NextStageUploadsWhileThisStageComputesAndComputeWaitsOnlyForItsOwn
   close(fd);
   start_trace(path);
   model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg);
+  model.synchronize();  // a call's events are traced once it has ended
   std::vector<TraceEvent> events = Tracer::instance().events();
   stop_trace();
   dev.set_layer_delay(std::chrono::microseconds(0));
@@ -167,8 +168,10 @@ TEST_P(RealRunTiming, EveryLayerGetsItsActionsTimedAfterTheFirstCall) {
   const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(fused_plan()).recompute_grain(GetParam());
   at::Tensor x = torch::randn({6, 16}), y = torch::randn({6, 4});
   model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
+  model.synchronize();  // a call's timings are recorded once it has ended
   for (int64_t l = 0; l < 9; ++l) EXPECT_FALSE(model.timer().estimate(l, LayerAction::kForward).has_value());
   model.forward_backward({x}, make_kwargs(), y, mse(), false, cfg);
+  model.synchronize();
   for (int64_t l = 0; l < 9; ++l) {
     expect_timed(model, l, LayerAction::kForward);
     expect_timed(model, l, LayerAction::kBackward);

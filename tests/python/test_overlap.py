@@ -5,20 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from models import Counter
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-
-
-class Counter(nn.Module):
-    """Counts its calls in a buffer and scales by the count: a written buffer
-    whose value reaches the output."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x):
-        self.calls += 1
-        return x * (1 + 0.01 * self.calls)
 
 
 def net(kind):

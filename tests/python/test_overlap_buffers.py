@@ -13,17 +13,10 @@ import sys, torch
 from torch import nn
 sys.path.insert(0, sys.argv[1])
 import hf_models
+from models import Counter
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
 
 torch.set_num_threads(1)
-
-class Counter(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("calls", torch.zeros(()))
-    def forward(self, x):
-        self.calls += 1
-        return x * (1 + 0.01 * self.calls)
 
 def small(kind):
     torch.manual_seed(0)
