@@ -4,7 +4,7 @@ CPU devices whose layers compute by sleeping (forward F = 4 ms, backward 2F,
 recomputation sleeps again), as a GPU kernel keeps a device busy without a
 host core; 16 layers of one Linear(64, 64); M = 9 at every D; copies 500 us
 late; asynchronous Adam steps; default settings except preserve_rng_state
-=False (CPU devices share the one CPU generator). D = 1, 2, 4, 8, each in a
+=False (as BENCHMARKS.md defines B9). D = 1, 2, 4, 8, each in a
 process of its own (the device pool is fixed at first use). Three models: no
 buffers, a constant buffer in the first layer (as rotary embeddings), a
 buffer written in forward (as BatchNorm's running statistics); and the plain

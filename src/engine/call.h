@@ -118,7 +118,7 @@ class Call {
   std::shared_ptr<ForwardRecord> record;  // written by forward stages, read by backward ones
   std::vector<char> backward_starts;      // [layer]: a backward (non-fused) stage starts here
   std::vector<c10::IValue> labels;        // [M] (fused calls)
-  const LossFn* loss_fn = nullptr;
+  LossFn loss_fn;                         // fused calls (held by value: the call may outlive the caller's)
   bool keep_outputs = false;              // fused calls: return the outputs too
   bool trace = false;                     // record spans for the timeline trace
   // The buffers this call's forward leaves, for the calls issued while it

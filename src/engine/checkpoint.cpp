@@ -266,16 +266,19 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   // The step in flight finishes, but its result stays out of the masters:
   // the next calls must still see θ_{k-1}. Both generations are saved.
   m.quiesce();
-  if (m.group) {
+  const RoundPipe::Impl::State engine = m.export_state();
+  if (ProcessGroup* group = m.optimizer.group()) {
     // Gradients not yet combined differ between the processes: they would
     // be lost (or counted as rank 0's only) on resume.
-    for (const HostParam& p : m.store->params()) {
-      TORCH_CHECK_VALUE(!p.grad.defined() && !p.master.grad().defined(), "save_checkpoint: with a process group, "
-                        "save after step(): '", p.name, "' has gradients of calls that no step handed to the "
-                        "optimizer yet, and they differ between the processes");
+    const auto& params = m.store->params();
+    for (size_t id = 0; id < params.size(); ++id) {
+      TORCH_CHECK_VALUE(!engine.accumulated[id].defined() && !engine.master_grad[id].defined(),
+                        "save_checkpoint: with a process group, save after step(): '", params[id].name,
+                        "' has gradients of calls that no step handed to the optimizer yet, and they differ "
+                        "between the processes");
     }
     // The state is the same on every process: rank 0 writes it.
-    if (m.group->rank() != 0) return;
+    if (group->rank() != 0) return;
   }
 
   torch::serialize::OutputArchive ar;
@@ -283,23 +286,26 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   ar.write("version", c10::IValue(kVersion));
   std::vector<std::pair<std::string, at::Tensor>> masters = named_masters(m), copies, accum, grads,
                                                    optim_grads;
-  for (const HostParam& p : m.store->params()) {
+  const auto& params = m.store->params();
+  for (size_t id = 0; id < params.size(); ++id) {
+    const HostParam& p = params[id];
     if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
-    if (p.grad.defined()) accum.emplace_back(p.name, p.grad);
-    if (p.master.grad().defined()) grads.emplace_back(p.name, p.master.grad());
-    if (p.optim.defined() && p.optim.grad().defined()) optim_grads.emplace_back(p.name, p.optim.grad());
+    if (engine.accumulated[id].defined()) accum.emplace_back(p.name, engine.accumulated[id]);
+    if (engine.master_grad[id].defined()) grads.emplace_back(p.name, engine.master_grad[id]);
+    if (engine.optim_grad[id].defined()) optim_grads.emplace_back(p.name, engine.optim_grad[id]);
   }
   write_named(ar, "state", masters);
   write_named(ar, "optim", copies);
   write_named(ar, "accum", accum);
   write_named(ar, "grad", grads);
   write_named(ar, "optim_grad", optim_grads);
-  ar.write("engine", c10::List<int64_t>({m.num_layers(), static_cast<int64_t>(m.seed), m.next_call_id,
-                                         m.steps_issued, m.model_behind_optimizer ? 1 : 0}));
+  ar.write("engine", c10::List<int64_t>({m.num_layers(), static_cast<int64_t>(engine.pipeline.seed),
+                                         engine.pipeline.next_call_id, engine.optimizer.steps_issued,
+                                         engine.optimizer.model_behind ? 1 : 0}));
   c10::List<bool> warmed;
   c10::List<int64_t> count;
   c10::List<double> mean;
-  for (const ModelTimer::Entry& e : m.timer.state()) {
+  for (const ModelTimer::Entry& e : engine.timer) {
     warmed.push_back(e.warmed_up);
     count.push_back(e.count);
     mean.push_back(e.biased_mean);
@@ -461,35 +467,19 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
 
 void PendingCheckpoint::apply() {
   RoundPipe::Impl& m = *model;
-  // Nothing may run while the state is replaced.
-  m.finish_in_flight();
-  m.drain_optimizer();
-  m.record_calls_finished_by_steps();
+  // Nothing may run while the state is replaced (a step's error stays for
+  // the next call).
+  m.quiesce(/*raise_step_error=*/false);
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.detach().copy_(src);
-  auto& params = m.store->params();
-  for (size_t id = 0; id < params.size(); ++id) {
-    HostParam& p = params[id];
-    p.grad = accum[id];
-    if (master_grad[id].defined()) {
-      p.master.mutable_grad() = master_grad[id];
-    } else if (p.master.grad().defined()) {
-      p.master.mutable_grad().reset();
-    }
-    if (!p.optim.defined()) continue;
-    if (optim_grad[id].defined()) {
-      p.optim.mutable_grad() = optim_grad[id];
-    } else if (p.optim.grad().defined()) {
-      p.optim.mutable_grad().reset();
-    }
-  }
-  m.seed = seed;
-  m.next_call_id = next_call_id;
-  m.host_buffers_call = -1;  // the loaded buffers are the latest
-  m.unwritten_buffers.reset();
-  m.steps_issued = steps_issued;
-  m.model_behind_optimizer = model_behind_optimizer;
-  m.timer.load_state(timer);
+  RoundPipe::Impl::State state;
+  state.pipeline = {seed, next_call_id};
+  state.optimizer = {steps_issued, model_behind_optimizer};
+  state.timer = timer;
+  state.accumulated = accum;
+  state.master_grad = master_grad;
+  state.optim_grad = optim_grad;
+  m.import_state(std::move(state));
 }
 
 }  // namespace detail

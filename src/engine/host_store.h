@@ -1,6 +1,6 @@
 // The host-resident model state: master parameters (packed into one
 // contiguous arena per layer, the arenas one slab in layer order, or left in
-// place: PinMode), fp32 gradient accumulators, and buffers.
+// place: PinMode), their optimizer copies, and buffers.
 //
 // Thread-compatible: owned by the user thread of the model; device workers
 // only read arenas and buffers while a call runs (the user thread does not
@@ -24,7 +24,6 @@ struct HostParam {
   at::Tensor master;  // the model's own parameter; its data views the owner's arena (if it has one)
   int64_t owner = 0;  // the first layer using it
   int64_t offset = 0; // byte offset in the owner's arena
-  at::Tensor grad;    // fp32 accumulator [same shape], undefined until a gradient arrives
   at::Tensor optim;   // optimizer copy [same shape] in optim dtype (trainable parameters only)
   bool trainable() const { return master.requires_grad(); }
 };

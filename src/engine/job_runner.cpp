@@ -5,6 +5,8 @@
 #include <string>
 #include <unordered_map>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include "engine/host_store.h"
 #include "engine/rng.h"
 #include "engine/stage_autograd.h"
@@ -302,7 +304,7 @@ class JobRunner {
     cursor.layer = -1;
     {
       AutocastScope autocast(c_.record->autocast);
-      loss_ = (*c_.loss_fn)(x, label_);
+      loss_ = c_.loss_fn(x, label_);
     }
     std::vector<at::Tensor> roots = flatten_tensors(loss_);
     check_losses(loss_, roots);

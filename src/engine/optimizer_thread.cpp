@@ -54,7 +54,7 @@ void run_on_optimizer_thread(const std::function<void()>& fn) {
   }
   std::promise<void> done;
   std::future<void> result = done.get_future();
-  model->optimizer_thread->post([&fn, &done] {
+  model->optimizer.post([&fn, &done] {
     try {
       fn();
       done.set_value();

@@ -5,6 +5,38 @@
 
 namespace roundpipe {
 
+bool Planner::layers_timed() const {
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    if (!timer_.estimate(l, LayerAction::kForward).has_value()) return false;
+  }
+  return true;
+}
+
+LayerCosts Planner::layer_costs() const {
+  LayerCosts costs;
+  costs.param_bytes = param_bytes_;
+  const bool timed = layers_timed();
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    const double size = static_cast<double>(param_bytes_[l]);
+    const double fwd = timed ? *timer_.estimate(l, LayerAction::kForward) : size;
+    costs.fwd_ms.push_back(fwd);
+    costs.recompute_ms.push_back(timed ? timer_.estimate(l, LayerAction::kRecompute).value_or(fwd) : size);
+    costs.bwd_ms.push_back(timed ? timer_.estimate(l, LayerAction::kBackward).value_or(2 * fwd) : 2 * size);
+  }
+  return costs;
+}
+
+ModelExecutePlan Planner::plan_for(const RunConfig& cfg, RunKind kind, int64_t num_microbatch) {
+  ModelExecutePlan plan = cfg.execute_plan() ? *cfg.execute_plan() : this->plan(kind, num_microbatch);
+  plan.validate(num_layers(), kind);
+  return plan;
+}
+
+void Planner::check_model_plan(const ModelExecutePlan& plan) const {
+  const bool fused = !plan.fwd_plan.empty() ? plan.fwd_plan.back().end < num_layers() : !plan.bwd_plan.empty();
+  plan.validate(num_layers(), fused ? RunKind::kFused : plan.bwd_plan.empty() ? RunKind::kInfer : RunKind::kTrain);
+}
+
 ModelExecutePlan Planner::plan(RunKind kind, int64_t num_microbatch, const LayerCosts& costs, bool timed) {
   const auto start = std::chrono::steady_clock::now();
   AutoPlanOptions options;

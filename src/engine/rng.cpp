@@ -3,8 +3,14 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
 
+#include <memory>
 #include <mutex>
+#include <map>
+#include <unordered_set>
 
 namespace roundpipe {
 namespace {
@@ -16,16 +22,96 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-std::mutex& generator_lock(c10::Device device) {
-  // One lock per generator: all CPU devices share the CPU generator.
-  static std::mutex accel[64];
-  if (device.is_cpu()) return cpu_generator_lock();
-  return accel[device.index() % 64];
+// ---- CPU devices: a generator per thread ----
+//
+// CPU kernels draw from the process's one CPU generator when no generator is
+// passed. A keyed run on a CPU device's worker instead draws from a
+// generator of that thread's own: the run includes a dispatch key
+// (CustomRNGKeyId, which sits between the autograd/autocast keys and the CPU
+// kernels) whose kernels pass that generator to every operator taking a
+// `Generator?` that was given none. Every other operator falls through.
+
+thread_local at::Generator* keyed_generator = nullptr;  // the keyed run's, on this thread
+
+void pass_keyed_generator(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& value = (*stack)[first + i];
+    if (keyed_generator != nullptr && value.isNone() && args[i].type()->kind() == c10::TypeKind::OptionalType &&
+        args[i].type()->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
+      value = c10::IValue(*keyed_generator);
+    }
+  }
+  op.redispatchBoxed(keys.remove(c10::DispatchKey::CustomRNGKeyId), stack);
 }
 
-at::Generator generator_of(c10::Device device) {
-  if (device.is_cpu()) return at::detail::getDefaultCPUGenerator();
-  return at::globalContext().defaultGenerator(device);
+bool takes_optional_generator(const c10::FunctionSchema& schema) {
+  for (const auto& a : schema.arguments()) {
+    if (a.type()->kind() == c10::TypeKind::OptionalType &&
+        a.type()->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Registers the key's kernels for the operators known now (once per
+// operator; operators registered later fall through and draw from the
+// process's generator).
+void register_keyed_kernels() {
+  static std::mutex mu;
+  static std::unordered_set<c10::OperatorName> registered;
+  static std::vector<std::unique_ptr<torch::Library>> libraries;
+  std::lock_guard<std::mutex> lock(mu);
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  if (libraries.empty()) {
+    TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(c10::DispatchKey::CustomRNGKeyId),
+                "RoundPipe: another library handles the CustomRNGKeyId dispatch key; keyed random streams on CPU "
+                "devices need it");
+    libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "_",
+                                                         c10::DispatchKey::CustomRNGKeyId, __FILE__, __LINE__));
+    libraries.back()->fallback(torch::CppFunction::makeFallthrough());
+  }
+  std::map<std::string, std::vector<c10::OperatorName>> by_namespace;
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (registered.count(name)) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() || !takes_optional_generator(op->schema())) continue;
+    const auto ns = name.getNamespace();
+    if (!ns) continue;
+    by_namespace[std::string(*ns)].push_back(name);
+  }
+  for (auto& [ns, names] : by_namespace) {
+    libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
+                                                         c10::DispatchKey::CustomRNGKeyId, __FILE__, __LINE__));
+    for (const c10::OperatorName& name : names) {
+      const std::string unqualified = name.name.substr(ns.size() + 2);
+      const std::string full = name.overload_name.empty() ? unqualified : unqualified + "." + name.overload_name;
+      libraries.back()->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&pass_keyed_generator>());
+      registered.insert(name);
+    }
+  }
+}
+
+// Draws of this thread's CPU operators come from `gen` while it lives.
+class KeyedGeneratorScope {
+ public:
+  explicit KeyedGeneratorScope(at::Generator* gen)
+      : previous_(keyed_generator), include_(c10::DispatchKey::CustomRNGKeyId) {
+    keyed_generator = gen;
+  }
+  ~KeyedGeneratorScope() { keyed_generator = previous_; }
+
+ private:
+  at::Generator* previous_;
+  c10::impl::IncludeDispatchKeyGuard include_;
+};
+
+std::mutex& accelerator_generator_lock(c10::Device device) {
+  // One lock per generator (several pool devices may share a GPU).
+  static std::mutex locks[64];
+  return locks[device.index() % 64];
 }
 
 }  // namespace
@@ -55,9 +141,23 @@ uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microba
   return splitmix64(h ^ static_cast<uint64_t>(microbatch)) >> 1;  // keep it positive as int64
 }
 
+void prepare_keyed_runs() { register_keyed_kernels(); }
+
 void run_with_random_stream(c10::Device device, uint64_t seed, const std::function<void()>& fn) {
-  std::lock_guard<std::mutex> lock(generator_lock(device));
-  at::Generator gen = generator_of(device);
+  if (device.is_cpu()) {
+    // A fresh seed makes this thread's generator the stream's start, as it
+    // would the process's generator: the same draws, without a lock.
+    thread_local at::Generator own = at::detail::createCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(own.mutex());
+      own.set_current_seed(seed);
+    }
+    KeyedGeneratorScope scope(&own);
+    fn();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(accelerator_generator_lock(device));
+  at::Generator gen = at::globalContext().defaultGenerator(device);
   at::Tensor saved = generator_state(gen);
   {
     std::lock_guard<std::mutex> draw_lock(gen.mutex());

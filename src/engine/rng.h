@@ -2,8 +2,14 @@
 //
 // A layer run that may draw random numbers sets the generator of its device
 // from the key, so recomputation repeats dropout masks exactly and results do
-// not depend on which device ran a job. CPU virtual devices all share the
-// process's one CPU generator, so keyed runs on them are serialized by a lock.
+// not depend on which device ran a job. An accelerator's runs take its
+// default generator (one lock per generator). A CPU device's runs draw from
+// a generator of their worker thread's own, passed to every operator that
+// takes a `Generator?` and was given none (rng.cpp), so CPU devices run keyed
+// layers at the same time as GPUs do. Exceptions on CPU devices: a layer
+// that reads or sets the process's generator itself (torch.get_rng_state,
+// torch.manual_seed inside forward), and operators registered after the
+// model was made (prepare_keyed_runs), draw from the process's generator.
 // Every run is keyed: a layer that drew nothing once may draw the next time
 // (dropout that depends on the input), so nothing is learned from a run.
 //
@@ -30,8 +36,13 @@ void set_generator_state(at::Generator& gen, const at::Tensor& state);
 
 uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch);
 
-// Runs `fn` with `device`'s default generator seeded with `seed`, holding
-// that generator's lock; restores the generator afterwards.
+// Makes the operators registered so far take a CPU device's keyed generator
+// (call before keyed runs; again after new operators were registered).
+void prepare_keyed_runs();
+
+// Runs `fn` drawing from the stream `seed`: on a CPU device from the
+// thread's own generator, elsewhere from `device`'s default generator
+// seeded with `seed`, holding its lock and restoring it afterwards.
 void run_with_random_stream(c10::Device device, uint64_t seed, const std::function<void()>& fn);
 
 }  // namespace roundpipe

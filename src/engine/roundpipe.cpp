@@ -9,7 +9,6 @@
 #include "engine/call.h"
 #include "engine/checkpoint_internal.h"
 #include "engine/host_store.h"
-#include "engine/lifetime.h"
 #include "engine/model_impl.h"
 #include "engine/value_tree.h"
 #include "util/atomic_file.h"
@@ -60,6 +59,42 @@ c10::IValue move_outputs(const c10::IValue& merged, const RunConfig& cfg) {
   return map_tensors(merged, [&](const at::Tensor& t) { return t.to(device); });
 }
 
+// A call's arguments checked and split (written once for every kind of call).
+struct PreparedCall {
+  int64_t num_microbatch = 0;
+  ModelExecutePlan plan;
+  MicrobatchInputs inputs;
+  std::vector<c10::IValue> labels;  // with a label
+};
+
+int64_t microbatches_for(const RoundPipe::Impl& m, const RunConfig& cfg, const std::vector<c10::IValue>& args,
+                         const Kwargs& kwargs) {
+  int64_t n = cfg.num_microbatch().value_or(m.num_devices + 1);
+  TORCH_CHECK_VALUE(n >= 1, "num_microbatch must be >= 1, got ", n);
+  c10::optional<int64_t> batch =
+      cfg.split_input() ? split_batch_size(args, kwargs, *cfg.split_input()) : find_batch_size(args, kwargs);
+  if (batch && *batch < n) {
+    TORCH_CHECK_VALUE(*batch >= 1, "the batch is empty (dim 0 of the first input tensor is 0)");
+    TORCH_WARN("RoundPipe '", m.name, "': num_microbatch ", n, " is larger than the batch size ", *batch,
+               "; using ", *batch);
+    n = *batch;
+  }
+  return n;
+}
+
+PreparedCall prepare_call(RoundPipe::Impl& m, const char* what, RunKind kind, const RunConfig& cfg,
+                          const std::vector<c10::IValue>& args, const Kwargs& kwargs, const c10::IValue* label) {
+  m.begin_call();
+  return checking_arguments(m.name, what, [&] {
+    PreparedCall p;
+    p.num_microbatch = microbatches_for(m, cfg, args, kwargs);
+    p.plan = m.planner.plan_for(cfg, kind, p.num_microbatch);
+    if (label) p.labels = split_label(*label, p.num_microbatch, cfg.split_label().value_or(LabelSplit{}));
+    p.inputs = split_call_inputs(args, kwargs, p.num_microbatch, cfg);
+    return p;
+  });
+}
+
 // `grad` (host memory) where `input` lives; an undefined one as it is.
 at::Tensor on_device_of(const at::Tensor& grad, const at::Tensor& input) {
   if (!grad.defined() || grad.device() == input.device()) return grad;
@@ -85,10 +120,8 @@ class PipelineBackward : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     RoundPipe::Impl& m = *model_;
     const int64_t n = record_->num_microbatch;
-    auto call = m.new_call(n, cfg_);
-    call->record = record_;
-    call->jobs = make_jobs(plan_, CallKind::kBackward);
-    call->init_flow();
+    m.begin_call(/*raise_step_error=*/false);  // as loss.backward(), not a call of the model's own
+    auto call = m.pipeline.make_call(CallKind::kBackward, plan_, n, cfg_, false, record_);
     // Gradients arrive for the outputs of every microbatch, in order.
     size_t next = 0;
     for (int64_t mb = 0; mb < n; ++mb) {
@@ -98,8 +131,8 @@ class PipelineBackward : public torch::autograd::Node {
       }
       call->flow[0][mb] = Slot{tensors_to_ivalue(g), -1, nullptr, true};
     }
-    m.execute(call);
-    m.commit(*call);
+    m.pipeline.run(call);
+    m.pipeline.commit(*call);
     torch::autograd::variable_list input_grads;
     for (int64_t mb = 0; mb < n; ++mb) {
       std::vector<at::Tensor> g = tensors_from_ivalue(call->flow[call->jobs.size()][mb].value);
@@ -127,20 +160,6 @@ class PipelineBackward : public torch::autograd::Node {
 };
 
 }  // namespace
-
-// The engine's owners (the RoundPipe, forward()'s autograd nodes) may let go
-// on any thread: the last release destroys it only where that may wait for
-// its threads (engine/lifetime.h).
-std::shared_ptr<RoundPipe::Impl> RoundPipe::Impl::create(std::vector<std::shared_ptr<Layer>> layers,
-                                                         RoundPipeOptions options, torch::nn::Sequential seq) {
-  return std::shared_ptr<Impl>(new Impl(std::move(layers), std::move(options), std::move(seq)),
-                               [](Impl* impl) { destroy_where_allowed([impl] { delete impl; }); });
-}
-
-Dispatcher& RoundPipe::Impl::dispatcher() {
-  static Dispatcher instance(DevicePool::instance().size());
-  return instance;
-}
 
 RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
   TORCH_CHECK_VALUE(!model.is_empty(), "RoundPipe: model is an empty holder");
@@ -179,27 +198,15 @@ RoundPipe& RoundPipe::operator=(RoundPipe&&) noexcept = default;
 
 c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, const RunConfig& run_config) {
   Impl& m = *impl_;
-  m.rethrow_step_error();  // jobs wait for their layers' parameters themselves (ParamGate)
   const RunConfig cfg = run_config.merged_over(m.defaults);
   const bool requires_grad = cfg.requires_grad().value_or(at::GradMode::is_enabled());
-  const RunKind kind = requires_grad ? RunKind::kTrain : RunKind::kInfer;
-  ModelExecutePlan plan;
-  int64_t n = 0;
-  MicrobatchInputs inputs = checking_arguments(m.name, "forward", [&] {
-    n = m.microbatches_for(cfg, args, kwargs);
-    plan = m.plan_for(cfg, kind, n);
-    return split_call_inputs(args, kwargs, n, cfg);
-  });
+  PreparedCall p = prepare_call(m, "forward", requires_grad ? RunKind::kTrain : RunKind::kInfer, cfg, args, kwargs,
+                                nullptr);
+  auto call = m.pipeline.make_call(CallKind::kForward, p.plan, p.num_microbatch, cfg, requires_grad);
+  Pipeline::feed_inputs(*call, p.inputs);
+  m.pipeline.run(call);
 
-  auto call = m.new_call(n, cfg);
-  call->record = m.new_record(n);
-  call->saves_for_backward = requires_grad;
-  for (const auto& r : plan.bwd_plan) call->backward_starts[r.begin] = requires_grad;
-  call->jobs = make_jobs(plan, CallKind::kForward);
-  call->init_flow();
-  Impl::feed_inputs(*call, inputs);
-  m.execute(call);
-
+  const int64_t n = p.num_microbatch;
   std::vector<c10::IValue> outputs;
   for (const Slot& s : call->flow[call->jobs.size()]) outputs.push_back(s.value);
   if (requires_grad) {
@@ -214,7 +221,7 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
       }
     }
     auto node = std::shared_ptr<PipelineBackward>(
-        new PipelineBackward(impl_, call->record, plan, cfg, outputs, packed), torch::autograd::deleteNode);
+        new PipelineBackward(impl_, call->record, p.plan, cfg, outputs, packed), torch::autograd::deleteNode);
     node->set_next_edges(torch::autograd::collect_next_edges(grad_inputs));
     for (auto& out : outputs) {
       out = map_tensors(out, [&](const at::Tensor& t) {
@@ -230,7 +237,7 @@ c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, con
   c10::IValue merged = checking_arguments(m.name, "forward", [&] {
     return move_outputs(merge_outputs(outputs, cfg.merge_output().value_or(OutputMerge{})), cfg);
   });
-  m.commit(*call);
+  m.pipeline.commit(*call);
   return merged;
 }
 
@@ -246,58 +253,25 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
                                         const RunConfig& run_config) {
   Impl& m = *impl_;
   TORCH_CHECK_VALUE(static_cast<bool>(loss_fn), "forward_backward: loss_fn is empty");
-  m.rethrow_step_error();  // jobs wait for their layers' parameters themselves (ParamGate)
   const RunConfig cfg = run_config.merged_over(m.defaults);
-  ModelExecutePlan plan;
-  int64_t n = 0;
-  std::vector<c10::IValue> labels;
-  MicrobatchInputs inputs = checking_arguments(m.name, "forward_backward", [&] {
-    n = m.microbatches_for(cfg, input_args, input_kwargs);
-    plan = m.plan_for(cfg, RunKind::kFused, n);
-    labels = split_label(label, n, cfg.split_label().value_or(LabelSplit{}));
-    return split_call_inputs(input_args, input_kwargs, n, cfg);
-  });
-
-  auto call = m.new_call(n, cfg);
-  call->record = m.new_record(n);
-  call->saves_for_backward = true;
-  for (size_t s = 1; s < plan.bwd_plan.size(); ++s) call->backward_starts[plan.bwd_plan[s].begin] = 1;
-  call->labels = std::move(labels);
-  call->loss_fn = &loss_fn;
+  PreparedCall p = prepare_call(m, "forward_backward", RunKind::kFused, cfg, input_args, input_kwargs, &label);
+  const int64_t n = p.num_microbatch;
+  auto call = m.pipeline.make_call(CallKind::kFused, p.plan, n, cfg, true);
+  call->labels = std::move(p.labels);
+  call->loss_fn = loss_fn;
   call->keep_outputs = return_outputs;
-  call->jobs = make_jobs(plan, CallKind::kFused);
-  call->init_flow();
-  Impl::feed_inputs(*call, inputs);
-  // Overlap: this call returns at its losses, with its backward stages still
-  // running, unless the caller needs its input gradients now.
-  bool overlap = m.iterations_overlap();
-  for (int64_t mb = 0; mb < n && overlap; ++mb) {
-    for (const at::Tensor& t : flatten_tensors(call->flow[0][mb].value)) overlap = overlap && !t.requires_grad();
+  Pipeline::feed_inputs(*call, p.inputs);
+  // The call returns at its losses, its backward stages still running,
+  // unless the caller needs its input gradients now (or the model does not
+  // overlap its iterations): then it is finished before returning.
+  bool inputs_want_grad = false;
+  for (int64_t mb = 0; mb < n; ++mb) {
+    for (const at::Tensor& t : flatten_tensors(call->flow[0][mb].value)) {
+      inputs_want_grad = inputs_want_grad || t.requires_grad();
+    }
   }
-  if (overlap) Impl::own_inputs(*call);
-  // The calls issued while this one runs upload the buffers its forward
-  // writes, not the host buffers (written back when it is applied).
-  if (overlap && m.has_buffers) call->buffer_out = std::make_shared<BufferHandoff>(call->record->call_id, m.num_layers());
-  // Submitted before the call in flight is finished: its jobs queue behind
-  // that call's last backward stages.
-  m.submit(call);
-  m.last_call_overlaps = overlap;
-  if (call->buffer_out) {
-    m.unwritten_buffers = call->buffer_out;
-    m.unwritten_call = call;
-  }
-  try {
-    m.finish_in_flight();
-  } catch (...) {
-    m.cancel_and_rethrow(*call, std::current_exception());
-  }
-  if (!overlap) {
-    m.finish(*call);  // rethrows a failure
-  } else if (!call->wait_losses()) {
-    m.forget_buffers_of(*call);
-    m.finish(*call);  // rethrows the failure
-    overlap = m.last_call_overlaps = false;
-  }
+  const bool overlap = m.overlap_iterations && !inputs_want_grad;
+  m.pipeline.start(call, overlap);
   // The loss and the merged outputs before anything is applied: a merge spec
   // that does not fit (or an output device that cannot be reached) changes
   // nothing.
@@ -311,30 +285,24 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
       return 0;
     });
   } catch (...) {
-    if (overlap) m.cancel_and_rethrow(*call, std::current_exception());  // forgets its buffers
-    throw;
+    m.pipeline.cancel_in_flight(std::current_exception());
   }
-  if (overlap) {
-    m.in_flight = call;  // finished by the next call that needs it
-    if (!return_outputs) return loss;
-    return c10::ivalue::Tuple::create({loss, merged});
-  }
-  m.commit(*call);
-
-  // Gradients for the caller's inputs, through the split (autograd views).
-  std::vector<at::Tensor> roots, root_grads;
-  for (int64_t mb = 0; mb < n; ++mb) {
-    std::vector<at::Tensor> ins = flatten_tensors(call->flow[0][mb].value);
-    std::vector<at::Tensor> g = tensors_from_ivalue(call->flow[call->jobs.size()][mb].value);
-    for (size_t i = 0; i < ins.size(); ++i) {
-      if (ins[i].requires_grad() && g[i].defined()) {
-        roots.push_back(ins[i]);
-        root_grads.push_back(on_device_of(g[i], ins[i]));
+  if (!overlap) {
+    m.pipeline.finish_in_flight();
+    // Gradients for the caller's inputs, through the split (autograd views).
+    std::vector<at::Tensor> roots, root_grads;
+    for (int64_t mb = 0; mb < n; ++mb) {
+      std::vector<at::Tensor> ins = flatten_tensors(call->flow[0][mb].value);
+      std::vector<at::Tensor> g = tensors_from_ivalue(call->flow[call->jobs.size()][mb].value);
+      for (size_t i = 0; i < ins.size(); ++i) {
+        if (ins[i].requires_grad() && g[i].defined()) {
+          roots.push_back(ins[i]);
+          root_grads.push_back(on_device_of(g[i], ins[i]));
+        }
       }
     }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
   }
-  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
-
   if (!return_outputs) return loss;
   return c10::ivalue::Tuple::create({loss, merged});
 }
@@ -353,14 +321,14 @@ const std::string& RoundPipe::name() const { return impl_->name; }
 int64_t RoundPipe::num_devices() const { return impl_->num_devices; }
 
 ModelExecutePlan RoundPipe::default_execute_plan(RunKind kind) const {
-  impl_->automatic_plan(kind, impl_->num_devices + 1);  // starts a search if one is due
+  impl_->planner.plan(kind, impl_->num_devices + 1);  // starts a search if one is due
   impl_->planner.wait_for_search();
-  return impl_->automatic_plan(kind, impl_->num_devices + 1);
+  return impl_->planner.plan(kind, impl_->num_devices + 1);
 }
 
-const ModelTimer& RoundPipe::timer() const { return impl_->timer; }
-ModelTimer& RoundPipe::timer() { return impl_->timer; }
-LayerCosts RoundPipe::layer_costs() const { return impl_->layer_costs(); }
+const ModelTimer& RoundPipe::timer() const { return impl_->planner.timer(); }
+ModelTimer& RoundPipe::timer() { return impl_->planner.timer(); }
+LayerCosts RoundPipe::layer_costs() const { return impl_->planner.layer_costs(); }
 
 std::vector<ModelExecutePlan> auto_execute_plans(const std::vector<const RoundPipe*>& models,
                                                  AutoPlanOptions options) {

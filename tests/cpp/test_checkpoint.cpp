@@ -262,8 +262,9 @@ TEST(Checkpoint, RestoresTimerSeedAndScaler) {
     EXPECT_EQ(ta[i].count, tb[i].count) << i;
     EXPECT_EQ(ta[i].biased_mean, tb[i].biased_mean) << i;
   }
-  EXPECT_EQ(detail::CheckpointAccess::impl(b)->seed, 77u);
-  EXPECT_EQ(detail::CheckpointAccess::impl(b)->next_call_id, 2);
+  const auto engine = detail::CheckpointAccess::impl(b)->export_state();
+  EXPECT_EQ(engine.pipeline.seed, 77u);
+  EXPECT_EQ(engine.pipeline.next_call_id, 2);
 }
 
 // ---- errors: nothing changes ----

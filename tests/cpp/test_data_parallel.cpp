@@ -69,10 +69,7 @@ struct Trainer {
 
   Trainer(int64_t rank, std::shared_ptr<ProcessGroup> group, int64_t microbatches)
       : net((torch::manual_seed(100 + std::max<int64_t>(rank, 0)), make_transformer(/*dropout=*/0.2))),
-        // Without overlap: resuming this run with overlapping iterations was
-        // seen to differ now and then (open; docs/design/engine.md).
-        model(net, RoundPipeOptions().set_seed(1000 + std::max<int64_t>(rank, 0)).set_process_group(group)
-                       .set_overlap_iterations(false)),
+        model(net, RoundPipeOptions().set_seed(1000 + std::max<int64_t>(rank, 0)).set_process_group(group)),
         opt(model.optim_parameters(), optim::AdamOptions(1e-2)),
         cfg(RunConfig().num_microbatch(microbatches)) {}
 
