@@ -43,9 +43,13 @@ GradientSums GradientSums::take_model_grads(HostStore& store) {
   return taken;
 }
 
-GradientSums GradientSums::take() {
-  GradientSums taken(std::move(sums_));
-  sums_.assign(taken.size(), at::Tensor());
+GradientSums GradientSums::take(const HostStore& store) {
+  GradientSums taken(sums_.size());
+  for (size_t id = 0; id < sums_.size(); ++id) {
+    if (!store.params()[id].optim.defined()) continue;
+    taken.sums_[id] = std::move(sums_[id]);
+    sums_[id] = at::Tensor();
+  }
   return taken;
 }
 

@@ -3,8 +3,9 @@
 // its transitions are named:
 //   add(call)           a successful call's gradients, in job order (so a sum
 //                       does not depend on which devices ran the jobs)
-//   take()              a step takes everything summed so far; the model
-//                       starts afresh for the calls after it
+//   take(store)         a step takes the sums of the parameters that have an
+//                       optimizer copy; the calls after it sum afresh (the
+//                       others stay, for synchronize)
 //   take_model_grads()  a step also takes what synchronize() left in the
 //                       parameters' .grad (add(other) sums them in)
 //   move_to_model_grads()  synchronize(): the sums move to the parameters'
@@ -33,7 +34,7 @@ class GradientSums {
   void add(const Call& call);
   // Out of place: `other`'s tensors may be the user's.
   void add(const GradientSums& other);
-  GradientSums take();
+  GradientSums take(const HostStore& store);
   // The .grad of the parameters that have an optimizer copy, moved out of them.
   static GradientSums take_model_grads(HostStore& store);
   void move_to_model_grads(HostStore& store);

@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 #include <malloc.h>
 
-#include "engine/checkpoint_internal.h"
 #include "engine/data_parallel.h"
 #include "engine/lifetime.h"
 #include "engine/optimizer_thread.h"
@@ -16,8 +15,12 @@
 namespace roundpipe {
 namespace {
 
-// The devices a model with RoundPipeOptions::max_devices `max` uses.
-int64_t devices_of(int64_t max) {
+// The devices a model with RoundPipeOptions::max_devices `max` uses. Also
+// checks what else would fail only once the user's module has been moved
+// into the host store.
+int64_t devices_of(int64_t max, const RoundPipeOptions& options) {
+  TORCH_CHECK_VALUE(!options.sync_warmup_steps || *options.sync_warmup_steps >= 0,
+                    "RoundPipe: sync_warmup_steps must be >= 0, got ", *options.sync_warmup_steps);
   const int64_t pool = DevicePool::instance().size();
   TORCH_CHECK_VALUE(max >= 0 && max <= pool, "RoundPipe: max_devices must be in 0..", pool,
                     " (0 = all devices of the pool), got ", max);
@@ -65,7 +68,7 @@ RoundPipe::Impl::Impl(std::vector<std::shared_ptr<Layer>> layers_in, RoundPipeOp
       defaults(options.run_config),
       seq(std::move(seq_in)),
       layers(std::move(layers_in)),
-      num_devices(devices_of(options.max_devices)),
+      num_devices(devices_of(options.max_devices, options)),
       overlap_iterations(options.overlap_iterations),
       store(
           (Tracer::instance(),  // starts tracing when ROUNDPIPE_TRACE is set
@@ -85,7 +88,6 @@ RoundPipe::Impl::Impl(std::vector<std::shared_ptr<Layer>> layers_in, RoundPipeOp
   }
   if (defaults.execute_plan()) planner.check_model_plan(*defaults.execute_plan());
   optimizer.make_copies(options.optim_dtype);
-  if (DevicePool::instance().device(0).torch_device().is_cpu()) prepare_keyed_runs();
   // Packing into arenas and cloning replicas freed about the model's size
   // of heap memory: give it back to the system rather than keep it resident.
   malloc_trim(0);
@@ -102,6 +104,7 @@ RoundPipe::Impl::~Impl() {
 }
 
 void RoundPipe::Impl::begin_call(bool raise_step_error) {
+  if (DevicePool::instance().device(0).torch_device().is_cpu()) prepare_keyed_runs();
   pipeline.record_finished(optimizer.take_finished_calls());
   // Jobs wait for their layers' parameters themselves (ParamGate).
   if (raise_step_error) optimizer.rethrow_step_error();
@@ -119,11 +122,15 @@ void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
   // A synchronous step leaves nothing running: the call in flight is
   // applied here (its buffers too), its failure raised before the step.
   if (!delayed) pipeline.finish_in_flight();
-  detail::note_stepping_model(weak_from_this());  // where run_on_optimizer_thread goes
+  // Where run_on_optimizer_thread goes (the optimizer side lives as long as
+  // the model it is posted through is held).
+  detail::note_stepping_model(weak_from_this(), [side = &optimizer](std::function<void()> task) {
+    side->post(std::move(task));
+  });
   // The gradients of every call issued so far: those applied, then the call
   // in flight's (summed on the optimizer thread once its jobs are done),
   // then what synchronize() left in .grad. Later calls sum afresh.
-  GradientSums taken = gradients.take();
+  GradientSums taken = gradients.take(*store);
   GradientSums model_grads = GradientSums::take_model_grads(*store);
   optimizer.step(std::move(step_fn), delayed, std::move(taken), std::move(model_grads),
                  pipeline.take_in_flight());

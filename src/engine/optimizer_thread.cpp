@@ -5,7 +5,6 @@
 #include <future>
 #include <mutex>
 
-#include "engine/model_impl.h"
 
 namespace roundpipe {
 namespace {
@@ -17,7 +16,8 @@ std::atomic<int64_t> last_step_task{0};
 // The model that most recently issued a step. Weak: the registry must not
 // keep a model alive.
 std::mutex registry_mu;
-std::weak_ptr<RoundPipe::Impl> last_stepping_model;  // guarded by registry_mu
+std::weak_ptr<const void> last_stepping_model;                      // guarded by registry_mu
+std::function<void(std::function<void()>)> post_to_last_stepping_model;  // guarded by registry_mu
 
 }  // namespace
 
@@ -25,9 +25,10 @@ namespace detail {
 
 void mark_optimizer_thread() { is_optimizer_thread = true; }
 
-void note_stepping_model(const std::weak_ptr<RoundPipe::Impl>& model) {
+void note_stepping_model(std::weak_ptr<const void> model, std::function<void(std::function<void()>)> post) {
   std::lock_guard<std::mutex> lock(registry_mu);
-  last_stepping_model = model;
+  last_stepping_model = std::move(model);
+  post_to_last_stepping_model = std::move(post);
 }
 
 void begin_step_task() { step_task = ++last_step_task; }
@@ -43,10 +44,12 @@ void run_on_optimizer_thread(const std::function<void()>& fn) {
     fn();
     return;
   }
-  std::shared_ptr<RoundPipe::Impl> model;
+  std::shared_ptr<const void> model;
+  std::function<void(std::function<void()>)> post;
   {
     std::lock_guard<std::mutex> lock(registry_mu);
     model = last_stepping_model.lock();
+    post = post_to_last_stepping_model;
   }
   if (!model) {
     fn();
@@ -54,7 +57,7 @@ void run_on_optimizer_thread(const std::function<void()>& fn) {
   }
   std::promise<void> done;
   std::future<void> result = done.get_future();
-  model->optimizer.post([&fn, &done] {
+  post([&fn, &done] {
     try {
       fn();
       done.set_value();

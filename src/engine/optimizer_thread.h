@@ -9,7 +9,6 @@
 #include <functional>
 #include <memory>
 
-#include "roundpipe/model.h"
 
 namespace roundpipe {
 
@@ -33,7 +32,9 @@ namespace detail {
 // Called by the optimizer side: the thread-local mark set on an optimizer
 // thread at its start, the model issuing a step, and the start of a step task.
 void mark_optimizer_thread();
-void note_stepping_model(const std::weak_ptr<RoundPipe::Impl>& model);
+// `model` (kept weakly) is the one that issued a step; `post` queues a task
+// on its optimizer thread and is called only while `model` is held.
+void note_stepping_model(std::weak_ptr<const void> model, std::function<void(std::function<void()>)> post);
 void begin_step_task();
 }  // namespace detail
 

@@ -199,6 +199,14 @@ void Pipeline::finish_in_flight() {
   commit(*call);
 }
 
+void Pipeline::discard_in_flight() {
+  if (!in_flight_) return;
+  std::shared_ptr<Call> call = std::move(in_flight_);
+  in_flight_.reset();
+  forget_buffers_of(*call);
+  finish(*call);
+}
+
 void Pipeline::cancel_in_flight(std::exception_ptr error) {
   std::shared_ptr<Call> call = std::move(in_flight_);
   in_flight_.reset();

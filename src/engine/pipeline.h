@@ -78,6 +78,8 @@ class Pipeline {
   // The call in flight finished and applied; its failure raised. No-op when
   // none is in flight.
   void finish_in_flight();
+  // The call in flight finished (its failure raised) and never applied.
+  void discard_in_flight();
   // The call in flight cancelled and never applied (its caller failed after
   // its losses); rethrows `error`.
   [[noreturn]] void cancel_in_flight(std::exception_ptr error);

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <mutex>
+#include <atomic>
 #include <map>
 #include <unordered_set>
 
@@ -27,60 +28,78 @@ uint64_t splitmix64(uint64_t x) {
 // CPU kernels draw from the process's one CPU generator when no generator is
 // passed. A keyed run on a CPU device's worker instead draws from a
 // generator of that thread's own: the run includes a dispatch key
-// (CustomRNGKeyId, which sits between the autograd/autocast keys and the CPU
-// kernels) whose kernels pass that generator to every operator taking a
-// `Generator?` that was given none. Every other operator falls through.
+// (CustomRNGKeyId, which sits below the autograd and autocast keys and above
+// the CPU kernels) whose kernels pass that generator to every CPU operator
+// taking a `Generator?` that was given none. Every other operator falls
+// through to its CPU kernel (the key's fallback); those with a
+// CompositeExplicitAutograd kernel, which the key would otherwise run in
+// place of their CPU one, are passed on by the same kernel. Operators with a
+// CompositeImplicitAutograd kernel are left alone: they decompose above this
+// key into operators it handles.
 
 thread_local at::Generator* keyed_generator = nullptr;  // the keyed run's, on this thread
 
+bool is_optional_generator(const c10::Argument& a) {
+  return a.type()->kind() == c10::TypeKind::OptionalType &&
+         a.type()->containedType(0)->kind() == c10::TypeKind::GeneratorType;
+}
+
 void pass_keyed_generator(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t first = stack->size() - args.size();
-  for (size_t i = 0; i < args.size(); ++i) {
-    c10::IValue& value = (*stack)[first + i];
-    if (keyed_generator != nullptr && value.isNone() && args[i].type()->kind() == c10::TypeKind::OptionalType &&
-        args[i].type()->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
-      value = c10::IValue(*keyed_generator);
+  if (keyed_generator != nullptr && keys.has_backend(c10::BackendComponent::CPUBit)) {
+    const auto& args = op.schema().arguments();
+    const size_t first = stack->size() - args.size();
+    for (size_t i = 0; i < args.size(); ++i) {
+      c10::IValue& value = (*stack)[first + i];
+      if (value.isNone() && is_optional_generator(args[i])) value = c10::IValue(*keyed_generator);
     }
   }
   op.redispatchBoxed(keys.remove(c10::DispatchKey::CustomRNGKeyId), stack);
 }
 
-bool takes_optional_generator(const c10::FunctionSchema& schema) {
-  for (const auto& a : schema.arguments()) {
-    if (a.type()->kind() == c10::TypeKind::OptionalType &&
-        a.type()->containedType(0)->kind() == c10::TypeKind::GeneratorType) {
-      return true;
-    }
-  }
-  return false;
-}
+// Set when operators were registered since the last registration of the
+// key's kernels (the dispatcher calls listeners under its own lock: nothing
+// may be registered from there).
+std::atomic<bool> operators_added{true};
 
-// Registers the key's kernels for the operators known now (once per
-// operator; operators registered later fall through and draw from the
-// process's generator).
+struct OperatorsAdded final : c10::OpRegistrationListener {
+  void onOperatorRegistered(const c10::OperatorHandle&) override { operators_added = true; }
+  void onOperatorDeregistered(const c10::OperatorHandle&) override {}
+};
+
+// Registers the key's kernels for the operators not seen yet. The
+// registrations live as long as the process (never undone at exit, when the
+// dispatcher may already be gone).
 void register_keyed_kernels() {
   static std::mutex mu;
-  static std::unordered_set<c10::OperatorName> registered;
-  static std::vector<std::unique_ptr<torch::Library>> libraries;
-  std::lock_guard<std::mutex> lock(mu);
-  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
-  if (libraries.empty()) {
+  static std::unordered_set<c10::OperatorName> seen;
+  static auto& libraries = *new std::vector<std::unique_ptr<torch::Library>>();
+  static auto* listening = new c10::RegistrationHandleRAII([] {
+    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
     TORCH_CHECK(!dispatcher.hasBackendFallbackForDispatchKey(c10::DispatchKey::CustomRNGKeyId),
                 "RoundPipe: another library handles the CustomRNGKeyId dispatch key; keyed random streams on CPU "
                 "devices need it");
     libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "_",
                                                          c10::DispatchKey::CustomRNGKeyId, __FILE__, __LINE__));
     libraries.back()->fallback(torch::CppFunction::makeFallthrough());
-  }
+    return dispatcher.addRegistrationListener(std::make_unique<OperatorsAdded>());
+  }());
+  (void)listening;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!operators_added.exchange(false)) return;
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
   std::map<std::string, std::vector<c10::OperatorName>> by_namespace;
   for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-    if (registered.count(name)) continue;
+    if (!seen.insert(name).second) continue;
     auto op = dispatcher.findOp(name);
-    if (!op || !op->hasSchema() || !takes_optional_generator(op->schema())) continue;
     const auto ns = name.getNamespace();
-    if (!ns) continue;
-    by_namespace[std::string(*ns)].push_back(name);
+    if (!op || !op->hasSchema() || !ns || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CustomRNGKeyId)) {
+      continue;
+    }
+    bool needed = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+                  op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    for (const auto& a : op->schema().arguments()) needed = needed || is_optional_generator(a);
+    if (needed) by_namespace[std::string(*ns)].push_back(name);
   }
   for (auto& [ns, names] : by_namespace) {
     libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
@@ -89,7 +108,6 @@ void register_keyed_kernels() {
       const std::string unqualified = name.name.substr(ns.size() + 2);
       const std::string full = name.overload_name.empty() ? unqualified : unqualified + "." + name.overload_name;
       libraries.back()->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&pass_keyed_generator>());
-      registered.insert(name);
     }
   }
 }

@@ -6,10 +6,11 @@
 // default generator (one lock per generator). A CPU device's runs draw from
 // a generator of their worker thread's own, passed to every operator that
 // takes a `Generator?` and was given none (rng.cpp), so CPU devices run keyed
-// layers at the same time as GPUs do. Exceptions on CPU devices: a layer
-// that reads or sets the process's generator itself (torch.get_rng_state,
-// torch.manual_seed inside forward), and operators registered after the
-// model was made (prepare_keyed_runs), draw from the process's generator.
+// layers at the same time as GPUs do, and the caller's own draws never mix
+// with them. Exception on CPU devices: a layer that reads or sets the
+// process's generator itself (torch.get_rng_state, torch.manual_seed, or
+// torch.utils.checkpoint's preserve_rng_state inside forward) sees the
+// process's generator, not its stream.
 // Every run is keyed: a layer that drew nothing once may draw the next time
 // (dropout that depends on the input), so nothing is learned from a run.
 //
@@ -36,8 +37,9 @@ void set_generator_state(at::Generator& gen, const at::Tensor& state);
 
 uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microbatch);
 
-// Makes the operators registered so far take a CPU device's keyed generator
-// (call before keyed runs; again after new operators were registered).
+// Makes the operators registered so far take a CPU device's keyed generator:
+// call on a model's user thread before each call (cheap unless operators
+// were registered since the last time).
 void prepare_keyed_runs();
 
 // Runs `fn` drawing from the stream `seed`: on a CPU device from the

@@ -285,7 +285,12 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
       return 0;
     });
   } catch (...) {
-    m.pipeline.cancel_in_flight(std::current_exception());
+    // Nothing of the call is applied. A call that overlaps stops; one that
+    // does not runs to its end first (its timings count, its own failure
+    // comes first), as it would have without this error.
+    if (overlap) m.pipeline.cancel_in_flight(std::current_exception());
+    m.pipeline.discard_in_flight();
+    throw;
   }
   if (!overlap) {
     m.pipeline.finish_in_flight();
