@@ -9,7 +9,8 @@ RoundPipe, running the submodule as one layer. Larger submodules are split
 into their children (an ``nn.ModuleList`` / ``nn.ModuleDict`` always is);
 smaller ones, and parts whose parameters are shared with code outside them
 (tied embeddings), stay where they are and run on the CPU in the calling
-thread, with the model's own code between the parts.
+thread, with the model's own code between the parts. A model in which no
+submodule qualifies (too small to split) is one part, whole.
 
 The model is not rebuilt: every submodule keeps its place, name and tensors,
 so ``state_dict`` and ``save_pretrained`` write the same keys as before;
@@ -163,6 +164,8 @@ class AutoRoundPipe(nn.Module):
         if upper_threshold is None:
             upper_threshold = max(1, _param_bytes(model) // (_C.get_num_devices() + 1))
         paths = _plan_parts(model, lower_threshold, upper_threshold, set(skip_modules))
+        if not paths and model not in skip_modules and _param_bytes(model) > 0:
+            paths = [""]  # too small to split: the whole model is one part
         if not paths:
             raise ValueError(f"wrap_model_to_roundpipe: no submodule of the {type(model).__name__} has between "
                              f"lower_threshold={lower_threshold} and upper_threshold={upper_threshold} bytes of "
@@ -175,7 +178,7 @@ class AutoRoundPipe(nn.Module):
         parts = []
         for path in paths:
             module = model.get_submodule(path)
-            part = RoundPipe(_Part(module), name=f"{name}.{path}",
+            part = RoundPipe(_Part(module), name=f"{name}.{path}" if path else str(name),
                              model_run_config=(override_config or {}).get(module, config), **roundpipe_kwargs)
             module.forward = _route_to(part)  # the model's calls of the submodule run the pipeline
             parts.append(part)

@@ -245,8 +245,10 @@ def test_models_without_a_preset():
     seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model = wrap_model_to_roundpipe(seq)
     assert isinstance(model, roundpipe.RoundPipe) and model.model is seq
-    with pytest.raises(ValueError, match="no submodule of the Linear has between"):
-        wrap_model_to_roundpipe(torch.nn.Linear(3, 3))  # too small to split (roundpipe.auto)
+    small = torch.nn.Linear(3, 3)  # too small to split: one part, whole (roundpipe.auto)
+    whole = wrap_model_to_roundpipe(small)
+    x = torch.randn(2, 3)
+    assert len(whole.parts()) == 1 and torch.allclose(whole(x), torch.nn.functional.linear(x, small.weight, small.bias))
     with pytest.raises(NotImplementedError, match="no preset for Sequential"):
         wrap_model_to_roundpipe(seq, use_sequential_preset=True)
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
