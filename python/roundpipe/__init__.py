@@ -32,7 +32,7 @@ from . import data, distributed, microbatch, optim, presets, safetensors, timer,
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
 from .auto import AutoRoundPipe
-from .hf import wrap_model_to_roundpipe
+from .auto import wrap_model_to_roundpipe
 from .grad_scaler import GradScaler  # noqa: F401
 from .optimizer_ctx import OptimizerCtx
 from .plan import ModelExecutePlan

@@ -30,19 +30,6 @@ def _close_live_engines():
     _C.close_engine_threads_gate()
 
 
-def _engines_of(models, who):
-    """The engines of RoundPipe ``models`` (at least one), for ``who``'s errors."""
-    if not models:
-        raise ValueError(f"{who}: give at least one model")
-    engines = []
-    for model in models:
-        engine = getattr(model, "_engine", None)
-        if engine is None:
-            raise TypeError(f"{who}: expected RoundPipe models, got {type(model).__name__}")
-        engines.append(engine)
-    return engines
-
-
 def load_into_matching(wrapper, others, state_dict, strict):
     """Loads ``state_dict`` into the module whose keys it uses: ``wrapper``
     (its own keys, ``model.``-prefixed) or one of ``others`` (the wrapped

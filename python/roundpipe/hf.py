@@ -5,7 +5,8 @@
     loss = model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids},
                                   loss_fn=lambda out, _: out.loss)
 
-A preset turns a ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+``wrap_model_to_roundpipe`` (roundpipe.auto) uses a preset where there is
+one. A preset turns a ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
 ``Qwen3MoeForCausalLM`` or ``GptOssForCausalLM`` into the layers of a pipeline:
 embedding | one layer per decoder block | final norm + LM head. The layers
 hold the loaded model's own modules (no second copy of any weight) and run
@@ -35,8 +36,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ._model import RoundPipe, _caller_name
-from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
 IGNORE_INDEX = -100
 # Tokens per loss chunk: the chunk's fp32 logits stay near 64 MiB.
@@ -349,53 +348,3 @@ def preset_layers(model):
     n = model.config.num_hidden_layers
     blocks = [HFDecoderBlock(model, family, i) for i in range(min(n, len(model.model.layers)))]
     return nn.Sequential(HFEmbedding(model, family), *blocks, HFHead(model, family))
-
-
-def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024, upper_threshold=None,
-                            skip_modules=(), override_config=None, **roundpipe_kwargs):
-    """A RoundPipe for ``model`` as it was loaded.
-
-    - Hugging Face ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
-      ``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``: the preset (module doc).
-      ``use_sequential_preset=False`` refuses the preset; ``True`` requires one.
-    - An ``nn.Sequential``: each child is a layer.
-    - Anything else: its module tree split into pipelined parts of between
-      ``lower_threshold`` and ``upper_threshold`` bytes of parameters
-      (default: the model's size / (devices + 1)), except ``skip_modules``;
-      ``override_config`` maps a submodule to its part's run config. Returns
-      an AutoRoundPipe (roundpipe.auto).
-
-    ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``, ``name``,
-    ``model_run_config``, ``pin_model``, ``process_group``, ...).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"wrap_model_to_roundpipe: model must be a torch.nn.Module, got {type(model).__name__}")
-    if use_sequential_preset not in (None, True, False):
-        raise TypeError(f"wrap_model_to_roundpipe: use_sequential_preset must be None, True or False, "
-                        f"got {use_sequential_preset!r}")
-    for what, value in (("lower_threshold", lower_threshold), ("upper_threshold", upper_threshold)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"wrap_model_to_roundpipe: {what} must be an int >= 0, got {value!r}")
-    if override_config is not None and not isinstance(override_config, dict):
-        raise TypeError("wrap_model_to_roundpipe: override_config must be a dict {module: RoundPipeRunConfig}")
-    roundpipe_kwargs.setdefault("name", _caller_name())
-    layers = preset_layers(model) if use_sequential_preset is not False else None
-    if layers is not None:
-        config = roundpipe_kwargs.pop("model_run_config", None) or RoundPipeRunConfig()
-        if not isinstance(config, RoundPipeRunConfig):
-            raise TypeError("wrap_model_to_roundpipe: model_run_config must be a RoundPipeRunConfig")
-        if config.merge_output is None:
-            fields = {f: getattr(config, f) for f in _RUN_CONFIG_FIELDS}
-            config = RoundPipeRunConfig(**{**fields, "merge_output": merge_hf_outputs})
-        wrapped = RoundPipe(layers, model_run_config=config, **roundpipe_kwargs)
-        wrapped.set_original_model(model)
-        return wrapped
-    if use_sequential_preset is True:
-        raise NotImplementedError(f"wrap_model_to_roundpipe: no preset for {type(model).__name__}; presets: "
-                                  f"{', '.join(_FAMILIES)}")
-    if isinstance(model, nn.Sequential):
-        return RoundPipe(model, **roundpipe_kwargs)
-    from .auto import AutoRoundPipe
-    name = roundpipe_kwargs.pop("name")
-    return AutoRoundPipe.split_module_tree(model, lower_threshold, upper_threshold, skip_modules,
-                                           override_config, name, **roundpipe_kwargs)

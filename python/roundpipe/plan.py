@@ -33,8 +33,8 @@ class ModelExecutePlan:
         one plan for one model, else a list. The exact rules:
         include/roundpipe/auto_plan.h."""
         from . import _C
-        from ._model import _engines_of
-        engines = _engines_of(models, "ModelExecutePlan.auto")
+        from ._engines import engines_of
+        engines = engines_of(models, "ModelExecutePlan.auto")
         if min_stages is None:
             min_stages = engines[0].num_devices()
         if model_memory_limit is None:

@@ -10,6 +10,7 @@ per layer and action on stderr::
     Layer 3 fwd  new record: 1.234 ms  new estimate: 1.200 ms
 """
 from . import _C
+from ._engines import engines_of
 
 
 class _VerboseFlag(type):
@@ -57,5 +58,4 @@ class ModelTimer(metaclass=_VerboseFlag):
 def save_timings(path, *models):
     """Writes the models' per-layer costs as a timings file for roundpipe-sim
     (``roundpipe-sim --timings PATH``), atomically."""
-    from ._model import _engines_of
-    _C.save_timings(str(path), _engines_of(models, "save_timings"))
+    _C.save_timings(str(path), engines_of(models, "save_timings"))
