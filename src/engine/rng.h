@@ -26,8 +26,9 @@
 
 namespace roundpipe {
 
-// The lock of the process's CPU generator: hold it to draw from (or save and
-// restore) that generator without disturbing keyed runs on other devices.
+// The lock the engine takes to save, use and restore the process's CPU
+// generator (cloning a layer, drawing a model's seed), so that two such uses
+// do not interleave. Keyed runs no longer take it.
 std::mutex& cpu_generator_lock();
 
 // A generator's state, read or written under the generator's own mutex: other
