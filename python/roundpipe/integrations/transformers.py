@@ -137,9 +137,8 @@ class _SchedulerOnStepThread:
         setattr(self.scheduler, name, value)
 
 
-def _refused_arguments(trainer):
-    """(argument, why) for each of the trainer's arguments roundpipe cannot honour."""
-    args = trainer.args
+def _refuse_arguments(who, args, compute_loss_func):
+    """A ValueError naming each argument roundpipe cannot honour."""
     checks = [
         ("deepspeed", args.deepspeed, "roundpipe keeps the training state in host memory itself; use one or the other"),
         ("fsdp", args.fsdp, "roundpipe keeps the training state in host memory itself; use one or the other"),
@@ -149,10 +148,6 @@ def _refused_arguments(trainer):
                             "torch.float32) instead of Trainer's autocast"),
         ("fp16_full_eval", args.fp16_full_eval, "evaluation runs in the model's dtype"),
         ("bf16_full_eval", args.bf16_full_eval, "evaluation runs in the model's dtype"),
-        ("activation_checkpointing", getattr(args, "activation_checkpointing", False),
-         "roundpipe recomputes activations itself"),
-        ("gradient_checkpointing", getattr(args, "gradient_checkpointing", False),
-         "roundpipe recomputes activations itself"),
         ("torch_compile", args.torch_compile, "the pipeline's layers run as they are"),
         ("use_liger_kernel", args.use_liger_kernel, "it replaces the model's forward, which the pipeline runs"),
         ("label_smoothing_factor", args.label_smoothing_factor > 0,
@@ -162,10 +157,11 @@ def _refused_arguments(trainer):
          in ("reduce_lr_on_plateau", "greedy"), "this scheduler steps on evaluation metrics, outside the step_fn"),
         ("world_size", args.world_size > 1, "one process drives all GPUs; for several machines use "
                                             "roundpipe.distributed"),
-        ("compute_loss_func", trainer.compute_loss_func is not None,
-         "the loss is the model's own, computed inside the pipeline"),
+        ("compute_loss_func", compute_loss_func is not None, "the loss is the model's own, computed inside the pipeline"),
     ]
-    return [(name, why) for name, bad, why in checks if bad]
+    refused = [f"`{name}` cannot be used with roundpipe ({why})" for name, bad, why in checks if bad]
+    if refused:
+        raise ValueError(f"{who}: " + "; ".join(refused))
 
 
 def _is_own_compute_loss(trainer):
@@ -202,14 +198,20 @@ class RoundPipeTrainerMixin:
         self._roundpipe_config = roundpipe_config
         self._roundpipe = None
         self._roundpipe_last_step = None
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(given, transformers.TrainingArguments):  # before Trainer acts on them (deepspeed, fsdp)
+            _refuse_arguments(type(self).__name__, given, kwargs.get("compute_loss_func"))
         super().__init__(*args, **kwargs)
-        refused = _refused_arguments(self)
-        if refused:
-            raise ValueError(f"{type(self).__name__}: " + "; ".join(
-                f"`{name}` cannot be used with roundpipe ({why})" for name, why in refused))
+        _refuse_arguments(type(self).__name__, self.args, self.compute_loss_func)
         if not _is_own_compute_loss(self):
             raise ValueError(f"{type(self).__name__}: `compute_loss` is overridden, but with roundpipe the loss is "
                              "the model's own, computed inside the pipeline")
+        if getattr(self.args, "activation_checkpointing", False) or getattr(self.args, "gradient_checkpointing", False):
+            # What it asks for, recomputing activations in backward, is what
+            # roundpipe's backward stages do; Trainer's own would run inside them.
+            self.args.activation_checkpointing = self.args.gradient_checkpointing = False
+            if getattr(self.model, "is_gradient_checkpointing", False):
+                self.model.gradient_checkpointing_disable()
         if self.args.n_gpu > 1:
             # roundpipe drives every visible GPU itself: no torch.nn.DataParallel.
             self.args._n_gpu = 1
@@ -419,6 +421,11 @@ class RoundPipeTrainer(RoundPipeTrainerMixin, transformers.Trainer):
     """
 
 
+# Padding-free packing's flash-attention lengths of a whole batch: the model
+# derives the sequences from position_ids, per microbatch.
+_PACKED_LENGTH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
 def _sft_trainer_class():
     import trl
     from trl.trainer.utils import FusedCausalLMOutput
@@ -428,6 +435,8 @@ def _sft_trainer_class():
         computed here from the pipeline's logits."""
 
         def __call__(self, *args, fused_lm_head=False, **kwargs):
+            for key in _PACKED_LENGTH_KEYS:
+                kwargs.pop(key, None)
             out = super().__call__(*args, **kwargs)
             if not fused_lm_head:
                 return out
@@ -467,6 +476,8 @@ def _sft_trainer_class():
         def _roundpipe_inputs(self, inputs):
             inputs = dict(inputs)
             inputs.pop("use_cache", None)
+            for key in _PACKED_LENGTH_KEYS:
+                inputs.pop(key, None)
             if self.aux_loss_enabled:
                 inputs["output_router_logits"] = True
             # SFTTrainer's token count, which its compute_loss keeps for the logs.
