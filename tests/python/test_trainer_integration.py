@@ -328,3 +328,13 @@ def test_importing_the_integration_does_not_import_trl():
     code = ("import sys, roundpipe; assert 'trl' not in sys.modules and 'transformers' not in sys.modules; "
             "import roundpipe.integrations.transformers; assert 'trl' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_example_runs_and_prints_trainer_logs(tmp_path):
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "trainer_sft.py")
+    done = subprocess.run([sys.executable, example, "--steps", "3", "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [line for line in done.stdout.splitlines() if line.startswith("{'loss'")]
+    assert len(logs) == 3 and all("'grad_norm'" in line and "'learning_rate'" in line for line in logs), done.stdout
+    assert "'eval_loss'" in done.stdout and os.path.isfile(tmp_path / "model.safetensors")
