@@ -157,7 +157,8 @@ def _refuse_arguments(who, args, compute_loss_func):
          in ("reduce_lr_on_plateau", "greedy"), "this scheduler steps on evaluation metrics, outside the step_fn"),
         ("world_size", args.world_size > 1, "one process drives all GPUs; for several machines use "
                                             "roundpipe.distributed"),
-        ("compute_loss_func", compute_loss_func is not None, "the loss is the model's own, computed inside the pipeline"),
+        ("compute_loss_func", compute_loss_func is not None,
+         "the loss is the model's own, computed inside the pipeline"),
     ]
     refused = [f"`{name}` cannot be used with roundpipe ({why})" for name, bad, why in checks if bad]
     if refused:
