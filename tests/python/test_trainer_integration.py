@@ -6,7 +6,8 @@ final parameters, evaluation and prediction; 1e-5 relative) with gradient
 accumulation, warm-up + cosine schedule, weight decay and clipping; the
 default asynchronous step equals plain Trainer with the one-step delay
 applied; SFTTrainer with packing off and on; a peft LoRA model; checkpoints
-in Trainer's format and resume_from_checkpoint; refused arguments."""
+in Trainer's format, resume_from_checkpoint and load_best_model_at_end; a
+failing step raised by train(); refused arguments."""
 import os
 import subprocess
 import sys
@@ -100,14 +101,16 @@ def parameters(model):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_synchronous_steps_equal_plain_trainer(tmp_path, family):
     train, held_out = lm_dataset(), lm_dataset(rows=6, seed=1)
-    plain = transformers.Trainer(model=tiny_model(family), args=training_args(tmp_path / "plain"),
+    args = dict(include_num_input_tokens_seen=True)
+    plain = transformers.Trainer(model=tiny_model(family), args=training_args(tmp_path / "plain", **args),
                                  train_dataset=train, eval_dataset=held_out)
     plain.train()
-    ours = RoundPipeTrainer(model=tiny_model(family), args=training_args(tmp_path / "ours"), train_dataset=train,
-                            eval_dataset=held_out,
+    ours = RoundPipeTrainer(model=tiny_model(family), args=training_args(tmp_path / "ours", **args),
+                            train_dataset=train, eval_dataset=held_out,
                             roundpipe_config=RoundPipeConfig(is_async=False, num_microbatch=2))
     ours.train()
-    assert_same_logs(ours, plain)
+    assert_same_logs(ours, plain, keys=("loss", "grad_norm", "learning_rate", "num_input_tokens_seen"))
+    assert all(entry["train_tokens_per_second"] > 0 for entry in step_logs(ours))
     first, last = step_logs(plain)[0], step_logs(plain)[-1]
     assert first["grad_norm"] > 0.5 and last["learning_rate"] < 2e-2  # clipping and the schedule act
     assert_same_parameters(trained_parameters(ours), parameters(plain.model))
@@ -122,21 +125,23 @@ def test_synchronous_steps_equal_plain_trainer(tmp_path, family):
 # ---------------------------------------------------------------------------
 # Trainer, asynchronous steps: plain Trainer with the one-step delay applied.
 
-class DelayedTrainer(transformers.Trainer):
-    """Plain Trainer whose optimizer updates copies of the parameters, and
+class OneStepDelay:
+    """A plain trainer whose optimizer updates copies of the parameters, and
     whose model holds the copies from before the latest step: the batches
     after step k run at θ_{k-1} and their gradients update θ_k (SPEC 4.3, as
-    test_async_and_errors.reference_delayed)."""
+    test_async_and_errors.reference_delayed). ``newest[k - 1]`` is θ_k, by
+    parameter name."""
 
     def create_optimizer(self, model=None):
         super().create_optimizer(model)
         inner = self.optimizer
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
         pairs = []
         for group in inner.param_groups:
             copies = [p.detach().clone().requires_grad_() for p in group["params"]]
             pairs += zip(group["params"], copies)
             group["params"] = copies
-        self.copies = {id(p): c for p, c in pairs}
+        self.newest = []
         real_step = inner.step
 
         def delayed_step(*args, **kwargs):
@@ -147,9 +152,21 @@ class DelayedTrainer(transformers.Trainer):
             real_step(*args, **kwargs)
             for _, c in pairs:
                 c.grad = None
+            self.newest.append({name_of[id(p)]: c.detach().clone() for p, c in pairs})
 
         inner.step = delayed_step
         return inner
+
+    def use_newest(self):
+        """The model takes the last step's parameters (as a synchronize would)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in self.newest[-1]:
+                    p.copy_(self.newest[-1][name])
+
+
+class DelayedTrainer(OneStepDelay, transformers.Trainer):
+    pass
 
 
 def test_asynchronous_steps_equal_plain_trainer_with_the_one_step_delay(tmp_path):
@@ -163,8 +180,8 @@ def test_asynchronous_steps_equal_plain_trainer_with_the_one_step_delay(tmp_path
     assert ours._roundpipe_config.is_async  # the default
     ours.train()
     assert_same_logs(ours, plain)
-    copies = {n: plain.copies[id(p)].detach() for n, p in plain.model.named_parameters()}
-    assert_same_parameters(trained_parameters(ours), copies)
+    assert len(plain.newest) == 5
+    assert_same_parameters(trained_parameters(ours), plain.newest[-1])
     # Not the synchronous run: the delay is there.
     sync = transformers.Trainer(model=tiny_model("llama"), args=training_args(tmp_path / "sync", **args),
                                 train_dataset=train)
@@ -175,7 +192,8 @@ def test_asynchronous_steps_equal_plain_trainer_with_the_one_step_delay(tmp_path
 # ---------------------------------------------------------------------------
 # A peft LoRA model.
 
-def test_lora_model_equals_plain_trainer(tmp_path):
+@pytest.mark.parametrize("is_async", [False, True])
+def test_lora_model_equals_plain_trainer(tmp_path, is_async):
     peft = pytest.importorskip("peft")
 
     def lora():
@@ -191,16 +209,17 @@ def test_lora_model_equals_plain_trainer(tmp_path):
     train = lm_dataset()
     plain_model, our_model = lora(), lora()
     frozen = {n: p.clone() for n, p in our_model.named_parameters() if not p.requires_grad}
-    plain = transformers.Trainer(model=plain_model, args=training_args(tmp_path / "plain"), train_dataset=train)
+    plain = (DelayedTrainer if is_async else transformers.Trainer)(
+        model=plain_model, args=training_args(tmp_path / "plain"), train_dataset=train)
     plain.train()
     ours = RoundPipeTrainer(model=our_model, args=training_args(tmp_path / "ours"), train_dataset=train,
-                            roundpipe_config=RoundPipeConfig(is_async=False, num_microbatch=2))
+                            roundpipe_config=RoundPipeConfig(is_async=is_async, num_microbatch=2))
     ours.train()
     assert all("lora_" in n for n, _ in ours.roundpipe_model.optim_named_parameters())
     assert_same_logs(ours, plain)
     trained = trained_parameters(ours)
     assert trained and all("lora_" in n for n in trained)
-    assert_same_parameters(trained, parameters(plain_model))
+    assert_same_parameters(trained, plain.newest[-1] if is_async else parameters(plain_model))
     assert all(torch.equal(p, frozen[n]) for n, p in our_model.named_parameters() if not p.requires_grad)
     ours.save_model(str(tmp_path / "adapter"))
     assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
@@ -240,13 +259,38 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path, is_async):
     assert worst <= tolerance, f"final parameters differ: {worst:.2e}"
 
 
-def test_checkpoint_weights_are_the_newest_step_with_asynchronous_steps(tmp_path):
-    trainer = RoundPipeTrainer(model=tiny_model("llama"), args=training_args(tmp_path, max_steps=3),
-                               train_dataset=lm_dataset(), roundpipe_config=RoundPipeConfig(num_microbatch=2))
-    trainer.train()
-    trainer.save_model(str(tmp_path / "final"))  # no synchronize before: the save takes the newest step
+def test_saved_weights_are_the_newest_step_with_asynchronous_steps(tmp_path):
+    train, args = lm_dataset(), dict(max_steps=3, save_strategy="steps", save_steps=2)
+    plain = DelayedTrainer(model=tiny_model("llama"), args=training_args(tmp_path / "plain", **args),
+                           train_dataset=train)
+    plain.train()
+    ours = RoundPipeTrainer(model=tiny_model("llama"), args=training_args(tmp_path / "ours", **args),
+                            train_dataset=train, roundpipe_config=RoundPipeConfig(num_microbatch=2))
+    ours.train()
+    # Written while step 3 was in flight, with the devices one step behind.
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / "checkpoint-2")
+    assert_same_parameters(parameters(saved), plain.newest[1], "checkpoint-2 weights")
+    # After train() the model holds the last step's weights, and save_model writes them.
+    assert_same_parameters(parameters(ours.model), plain.newest[2], "the model after train()")
+    ours.save_model(str(tmp_path / "final"))
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    assert_same_parameters(parameters(saved), trained_parameters(trainer), "saved weights")
+    assert_same_parameters(parameters(saved), plain.newest[2], "save_model weights")
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
+    args = training_args(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                         save_steps=1, load_best_model_at_end=True)
+    trainer = RoundPipeTrainer(model=tiny_model("llama"), args=args, train_dataset=lm_dataset(),
+                               eval_dataset=lm_dataset(rows=6, seed=1),
+                               roundpipe_config=RoundPipeConfig(num_microbatch=2))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert not best.endswith("checkpoint-3")  # not the last step's weights: the load has work to do
+    want = parameters(transformers.AutoModelForCausalLM.from_pretrained(best))
+    trainer.save_model(str(tmp_path / "final"))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert_same_parameters(parameters(saved), want, "save_model weights")
+    assert rel(trainer.evaluate()["eval_loss"], trainer.state.best_metric) <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------
@@ -268,8 +312,9 @@ def text_dataset(rows=16, seed=0):
         {"text": " ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (int(n),), generator=g))} for n in lengths])
 
 
+@pytest.mark.parametrize("is_async", [False, True])
 @pytest.mark.parametrize("packing", [False, True])
-def test_sft_trainer_equals_plain_sft_trainer(tmp_path, packing):
+def test_sft_trainer_equals_plain_sft_trainer(tmp_path, packing, is_async):
     trl = pytest.importorskip("trl")
     from roundpipe.integrations.transformers import RoundPipeSFTTrainer
     train, held_out = text_dataset(), text_dataset(rows=4, seed=1)
@@ -281,15 +326,20 @@ def test_sft_trainer_equals_plain_sft_trainer(tmp_path, packing):
                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                              bf16=False, disable_tqdm=True, dataset_num_proc=None)
 
-    plain = trl.SFTTrainer(model=tiny_model("qwen3"), args=sft_args("plain"), train_dataset=train,
-                           eval_dataset=held_out, processing_class=tiny_tokenizer())
+    plain_class = type("DelayedSFTTrainer", (OneStepDelay, trl.SFTTrainer), {}) if is_async else trl.SFTTrainer
+    plain = plain_class(model=tiny_model("qwen3"), args=sft_args("plain"), train_dataset=train,
+                        eval_dataset=held_out, processing_class=tiny_tokenizer())
     plain.train()
     ours = RoundPipeSFTTrainer(model=tiny_model("qwen3"), args=sft_args("ours"), train_dataset=train,
                                eval_dataset=held_out, processing_class=tiny_tokenizer(),
-                               roundpipe_config=RoundPipeConfig(is_async=False, num_microbatch=2))
+                               roundpipe_config=RoundPipeConfig(is_async=is_async, num_microbatch=2))
     ours.train()
     assert_same_logs(ours, plain, keys=("loss", "grad_norm", "learning_rate", "num_tokens"))
-    assert_same_parameters(trained_parameters(ours), parameters(plain.model))
+    if is_async:
+        assert_same_parameters(trained_parameters(ours), plain.newest[-1])
+        plain.use_newest()  # ours evaluates the newest parameters
+    else:
+        assert_same_parameters(trained_parameters(ours), parameters(plain.model))
     ours_eval, plain_eval = ours.evaluate(), plain.evaluate()
     for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
         assert rel(ours_eval[key], plain_eval[key]) <= TOLERANCE, key
@@ -299,12 +349,24 @@ def test_sft_trainer_equals_plain_sft_trainer(tmp_path, packing):
 # What roundpipe cannot honour: clear errors naming the argument.
 
 @pytest.mark.parametrize("name, value", [("deepspeed", "ds_config.json"), ("fsdp", "full_shard"), ("fp16", True),
-                                         ("torch_compile", True), ("label_smoothing_factor", 0.1)])
+                                         ("torch_compile", True), ("label_smoothing_factor", 0.1),
+                                         ("optim", "schedule_free_adamw"), ("torch_empty_cache_steps", 4)])
 def test_arguments_roundpipe_cannot_honour_are_errors_naming_them(tmp_path, name, value):
     args = training_args(tmp_path)
     setattr(args, name, value)  # TrainingArguments(deepspeed=...) itself needs deepspeed installed
     with pytest.raises(ValueError, match=f"`{name}` cannot be used with roundpipe"):
         RoundPipeTrainer(model=tiny_model(), args=args, train_dataset=lm_dataset(rows=4))
+
+
+def test_sft_arguments_roundpipe_cannot_honour_are_errors_naming_them(tmp_path):
+    trl = pytest.importorskip("trl")
+    from roundpipe.integrations.transformers import RoundPipeSFTTrainer
+    for name, value in (("activation_offloading", True), ("loss_type", "dft")):
+        args = trl.SFTConfig(str(tmp_path), max_length=SEQ, report_to=[], use_cpu=True, bf16=False,
+                             **{name: value})
+        with pytest.raises(ValueError, match=f"`{name}.*` cannot be used with roundpipe"):
+            RoundPipeSFTTrainer(model=tiny_model("qwen3"), args=args, train_dataset=text_dataset(rows=4),
+                                processing_class=tiny_tokenizer())
 
 
 def test_overridden_compute_loss_and_foreign_optimizer_are_errors(tmp_path):
@@ -324,8 +386,46 @@ def test_overridden_compute_loss_and_foreign_optimizer_are_errors(tmp_path):
         RoundPipeTrainer(model=tiny_model(), args=training_args(tmp_path), roundpipe_config={"is_async": False})
 
 
+# ---------------------------------------------------------------------------
+# A step that fails on the optimizer thread: train() raises its error.
+
+class StepFailed(RuntimeError):
+    pass
+
+
+@pytest.mark.timeout(120)  # a lost error would leave train() waiting for the step
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("part, at_step", [("optimizer", 2), ("optimizer", 3), ("scheduler", 3)])
+def test_a_failing_step_is_raised_by_train(tmp_path, is_async, part, at_step):
+    # No log line waits for the steps: the last step's error must still reach train().
+    trainer = RoundPipeTrainer(model=tiny_model(), args=training_args(tmp_path, max_steps=3, logging_steps=10),
+                               train_dataset=lm_dataset(),
+                               roundpipe_config=RoundPipeConfig(is_async=is_async, num_microbatch=2))
+    optimizer = trainer.create_optimizer()
+    if part == "optimizer":
+        real_step, steps = optimizer.step, []
+
+        def failing_step(*args, **kwargs):
+            steps.append(None)
+            if len(steps) == at_step:
+                raise StepFailed(f"optimizer failed at step {at_step}")
+            return real_step(*args, **kwargs)
+
+        optimizer.step = failing_step
+    else:
+        def lr_factor(step):
+            if step == at_step:
+                raise StepFailed(f"scheduler failed at step {at_step}")
+            return 1.0
+
+        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    with pytest.raises(StepFailed, match=f"{part} failed at step {at_step}"):
+        trainer.train()
+
+
 def test_importing_the_integration_does_not_import_trl():
-    code = ("import sys, roundpipe; assert 'trl' not in sys.modules and 'transformers' not in sys.modules; "
+    code = ("import sys, roundpipe, roundpipe.integrations; "
+            "assert not {'transformers', 'trl', 'datasets'} & set(sys.modules); "
             "import roundpipe.integrations.transformers; assert 'trl' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -75,6 +75,7 @@ class _StepRecord:
         self.done = threading.Event()
         self.grad_norm = None
         self.learning_rate = None
+        self.error = None
 
 
 class _LoopModel:
@@ -139,6 +140,7 @@ class _SchedulerOnStepThread:
 
 def _refuse_arguments(who, args, compute_loss_func):
     """A ValueError naming each argument roundpipe cannot honour."""
+    optim = str(getattr(args.optim, "value", args.optim))
     checks = [
         ("deepspeed", args.deepspeed, "roundpipe keeps the training state in host memory itself; use one or the other"),
         ("fsdp", args.fsdp, "roundpipe keeps the training state in host memory itself; use one or the other"),
@@ -153,6 +155,12 @@ def _refuse_arguments(who, args, compute_loss_func):
         ("label_smoothing_factor", args.label_smoothing_factor > 0,
          "the loss is computed inside the pipeline (the logits are never materialized)"),
         ("neftune_noise_alpha", args.neftune_noise_alpha is not None, "the embedding runs inside the pipeline"),
+        ("optim", optim in ("lomo", "adalomo") or optim.startswith("schedule_free"),
+         f"{optim} updates the parameters in backward or swaps them for evaluation, outside the step_fn"),
+        ("torch_empty_cache_steps", args.torch_empty_cache_steps is not None,
+         "roundpipe manages the devices' memory itself"),
+        ("activation_offloading", getattr(args, "activation_offloading", False),
+         "roundpipe's backward stages recompute the activations on the devices"),
         ("lr_scheduler_type", str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
          in ("reduce_lr_on_plateau", "greedy"), "this scheduler steps on evaluation metrics, outside the step_fn"),
         ("world_size", args.world_size > 1, "one process drives all GPUs; for several machines use "
@@ -187,7 +195,9 @@ class RoundPipeTrainerMixin:
     Evaluation waits for the last step (with asynchronous steps the step
     after it then sees the newest parameters, as after ``synchronize()``);
     logging waits for the step it reports; checkpoints wait for the step in
-    flight and do not change the run.
+    flight and do not change the run. When ``train()`` returns, the model
+    holds the trained weights. An error in a step (the optimizer, the
+    scheduler) is raised by ``train()``, at the latest when training ends.
     """
 
     def __init__(self, *args, roundpipe_config=None, **kwargs):
@@ -341,6 +351,9 @@ class RoundPipeTrainerMixin:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+            except BaseException as error:
+                record.error = error
+                raise
             finally:
                 _in_step_fn.active = False
                 record.done.set()
@@ -353,11 +366,17 @@ class RoundPipeTrainerMixin:
             record.done.set()
             raise
 
-    def _wait_for_step(self):
-        """Waits for the last queued step_fn (not a synchronize: the
-        parameters the next call sees stay as the one-step delay says)."""
-        if self._roundpipe_last_step is not None:
-            self._roundpipe_last_step.done.wait()
+    def _wait_for_step(self, record=None):
+        """Waits for a queued step_fn (the last one by default), and raises
+        its error if it failed. Not a synchronize: the parameters the next
+        call sees stay as the one-step delay says."""
+        record = record or self._roundpipe_last_step
+        if record is None:
+            return
+        record.done.wait()
+        if record.error is not None:
+            self.roundpipe_model.synchronize()  # raises it, naming the model and the step
+            raise record.error  # an earlier call reported it already
 
     # ---- logging, evaluation, checkpoints ----------------------------------
 
@@ -365,7 +384,7 @@ class RoundPipeTrainerMixin:
                                  learning_rate=None):
         if isinstance(grad_norm, _StepRecord):
             if self.control.should_log or self.control.should_evaluate or self.control.should_save:
-                grad_norm.done.wait()  # its grad norm and learning rate go into the log
+                self._wait_for_step(grad_norm)  # its grad norm and learning rate go into the log
                 grad_norm, learning_rate = grad_norm.grad_norm, grad_norm.learning_rate
             else:
                 grad_norm = None
@@ -398,10 +417,25 @@ class RoundPipeTrainerMixin:
             path = os.path.join(self._get_output_dir(trial=trial), folder, ROUNDPIPE_STATE_NAME)
             save_checkpoint(path, self._roundpipe, step=self.state.global_step)
 
+    def _finalize_training(self, *args, **kwargs):
+        # The last step_fn's error reaches train(), and the model holds the
+        # trained weights, before the final logs and callbacks.
+        if self._roundpipe is not None:
+            self._roundpipe.synchronize()
+        return super()._finalize_training(*args, **kwargs)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._copies_follow_the_model()
+
+    def _load_best_model(self):
+        super()._load_best_model()
+        self._copies_follow_the_model()
+
+    def _copies_follow_the_model(self):
+        """After Trainer loaded weights into the model in place: the optimizer
+        copies (what the next step and save_model start from) take them too."""
         if self._roundpipe is not None:
-            # Loaded into the model in place: the optimizer copies follow.
             self._roundpipe.load_state_dict(self.model.state_dict(), strict=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
