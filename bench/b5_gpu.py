@@ -11,7 +11,7 @@ copies in fp32, and runs AdamW on the CPU one step behind.
     python bench/b5_gpu.py [--batch 8] [--steps 4] [--warmup 2] [--tiny]
 
 --tiny runs a small config (a dry run that works on CPU devices too).
-Prints a table, then: RESULT id=B5 tokens_per_s=... tokens_vs_torch_ckpt=...
+Prints a table, then: RESULT id=B5 tokens_per_s=... mfu=... tokens_vs_torch_ckpt=...
 tokens_vs_torch=... peak_mem_vs_torch=... tokens_vs_reference=na ...
 """
 import argparse
@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import roundpipe  # noqa: E402
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, presets  # noqa: E402
 from reference_decoder import RefConfig, RefDecoder  # noqa: E402
+
+
+PEAK_FLOPS = 989e12  # H200 dense bf16 (BENCHMARKS.md): mfu counts 6 x parameters x tokens
 
 
 def qwen3_1_7b_shapes(tiny):
@@ -83,8 +86,9 @@ def run_roundpipe(cfg, ids, labels, args, device):
                       model_run_config=RoundPipeRunConfig(num_microbatch=m))
     with OptimizerCtx():
         opt = roundpipe.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    print(f"roundpipe: model built in {time.perf_counter() - t0:.1f} s "
-          f"({sum(p.numel() for p in net.parameters()) / 1e9:.2f} B parameters)", flush=True)
+    n_params = sum(p.numel() for p in net.parameters())
+    print(f"roundpipe: model built in {time.perf_counter() - t0:.1f} s ({n_params / 1e9:.2f} B parameters)",
+          flush=True)
     reset_peak(device)
     losses = []
 
@@ -97,7 +101,7 @@ def run_roundpipe(cfg, ids, labels, args, device):
     peak = peak_bytes(device)
     print(f"roundpipe: losses {[round(x, 4) for x in losses]}", flush=True)
     del model, opt, net
-    return seconds, peak
+    return seconds, peak, n_params
 
 
 def run_torch(cfg, ids, labels, args, device, checkpoint_layers):
@@ -149,7 +153,7 @@ def main():
     print(f"B5: devices {roundpipe._C.get_device_names()}, torch {torch.__version__}, batch {args.batch} x {seq} "
           f"tokens, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
 
-    rp_s, rp_peak = run_roundpipe(cfg, ids, labels, args, device)
+    rp_s, rp_peak, n_params = run_roundpipe(cfg, ids, labels, args, device)
     rows = [("roundpipe", rp_s, rp_peak)]
     if not args.skip_torch:
         rows.append(("torch+ckpt", *run_torch(cfg, ids, labels, args, device, True)))
@@ -157,7 +161,8 @@ def main():
     print(f"{'run':<12} {'s/step':>8} {'tokens/s':>10} {'peak GiB':>9}")
     for name, s, peak in rows:
         print(f"{name:<12} {s:8.3f} {tokens / s:10.0f} {peak / 2**30:9.2f}")
-    result = {"tokens_per_s": f"{tokens / rp_s:.0f}", "peak_gib": f"{rp_peak / 2**30:.2f}"}
+    result = {"tokens_per_s": f"{tokens / rp_s:.0f}", "mfu": f"{6 * n_params * tokens / rp_s / PEAK_FLOPS:.3f}",
+              "peak_gib": f"{rp_peak / 2**30:.2f}"}
     if not args.skip_torch:
         (_, ck_s, ck_peak), (_, pl_s, pl_peak) = rows[1], rows[2]
         result.update(tokens_vs_torch_ckpt=f"{ck_s / rp_s:.3f}", tokens_vs_torch=f"{pl_s / rp_s:.3f}",

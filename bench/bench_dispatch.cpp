@@ -24,12 +24,18 @@ int main() {
   RunConfig cfg = RunConfig().num_microbatch(kMicro).execute_plan(plan);
   LossFn loss_fn = [](const c10::IValue& out, const c10::IValue&) -> c10::IValue { return out.toTensor().sum(); };
   at::Tensor x = torch::randn({kBatch, kWidth});
+  // The baseline runs where the pool's devices are: on a GPU pool, a plain
+  // loop on that GPU (dispatching kernels there), waited for at its end.
+  const bool on_gpu = get_device_names().front().rfind("cuda", 0) == 0;
+  const at::Device plain_device = on_gpu ? at::Device(get_device_names().front()) : at::Device(at::kCPU);
+  ref->to(plain_device);
+  const at::Tensor x_plain = x.to(plain_device);
 
   auto run_roundpipe = [&] { model.forward_backward({x}, make_kwargs(), c10::IValue(), loss_fn, false, cfg); };
   // Plain loop: forward without graph (keeping each layer's input), then per
   // layer recompute with grad and backward, as roundpipe's one-layer stages do.
   auto run_plain = [&] {
-    for (const at::Tensor& xm : x.tensor_split(kMicro)) {
+    for (const at::Tensor& xm : x_plain.tensor_split(kMicro)) {
       std::vector<at::Tensor> inputs{xm};
       {
         torch::NoGradGuard no_grad;
@@ -43,6 +49,7 @@ int main() {
         g = in.grad();
       }
     }
+    if (on_gpu) torch::cuda::synchronize();
   };
   // Warm-up: the first calls fill the allocators' caches and the per-layer
   // timer; the benchmark measures the steady state a training loop runs in.

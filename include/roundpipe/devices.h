@@ -29,6 +29,10 @@ struct DeviceMemoryStats {
   std::string device;  // e.g. "cpu:1"
   int64_t allocated_bytes = 0;      // in use now
   int64_t max_allocated_bytes = 0;  // most in use since the last reset
+  // Most held from the device since the last reset, cached blocks included
+  // (a GPU's caching allocator reserves more than it hands out; a CPU
+  // virtual device holds what it allocates: max_allocated_bytes).
+  int64_t max_reserved_bytes = 0;
 };
 
 // Memory of every device of the pool, in pool order. CPU virtual devices

@@ -46,6 +46,7 @@ KINDS = [
     ("download", "download", "#e15759"),
     ("handoff", "handoff", "#edc948"),
     ("optimizer", "optimizer", "#9c755f"),
+    ("wait", "wait: parameter gate", "#d7d7d7"),
 ]
 _KNOWN = {key: (label, color) for key, label, color in KINDS}
 # Colours for other categories, assigned in sorted order of their names.

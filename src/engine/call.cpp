@@ -151,8 +151,13 @@ Slot Call::take(Slot& slot) {
   }
   slots_cv_.wait(lock, [&] { return slot.ready || error_ != nullptr; });
   if (error_ != nullptr) throw Cancelled{};
-  Slot out = slot;
-  if (slot.device >= 0) slot.value = c10::IValue();
+  // The job is the value's only reader: the slot lets it go, so a device's
+  // memory or a page-locked host block goes when the job is done with it
+  // rather than with the call.
+  Slot out = std::move(slot);
+  slot.value = c10::IValue();
+  slot.fence = nullptr;
+  slot.ready = true;
   return out;
 }
 

@@ -76,13 +76,14 @@ struct StageTensors {
   bool holds_slot = false;                       // took one of its device's stage slots
   int64_t bytes = 0;                             // uploaded
   MarkPtr start, end;                            // of the upload, when timed
+  MarkPtr gate_start;  // when timed and the upload waited for the optimizer: the wait's start (it ends at `start`)
 };
 
 // One timed piece of a job's work on its device (for traces).
 struct SpanRecord {
   TraceLane lane;
-  const char* kind;   // trace.h kinds: "upload", "compute", "download", "handoff"
-  const char* label;  // "params", "fwd", "fused", "bwd", "grads", "buffers", "act"
+  const char* kind;   // trace.h kinds: "upload", "compute", "download", "handoff", "wait"
+  const char* label;  // "params", "fwd", "fused", "bwd", "grads", "buffers", "act", "gate"
   int64_t job;       // the job it belongs to (a prefetch is the next job's upload)
   int64_t microbatch;
   int64_t bytes;
@@ -151,9 +152,9 @@ class Call {
   void find_readers();
   // Blocks until `slot` is ready; throws Cancelled if the call failed.
   Slot wait(const Slot& slot);
-  // wait() for a job's input slot, whose only consumer the job is: a value
-  // left on a device moves out of the slot, so the device memory goes when
-  // the job is done with it rather than at the end of the call.
+  // wait() for a job's input slot, whose only consumer the job is: the value
+  // moves out of the slot, so its memory (on a device, or a page-locked host
+  // block) goes when the job is done with it rather than with the call.
   Slot take(Slot& slot);
   void publish(Slot& slot, Slot value);
   void fail(std::exception_ptr error, const std::string& context);

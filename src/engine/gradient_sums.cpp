@@ -12,7 +12,11 @@ void GradientSums::add(int64_t id, const at::Tensor& grad) {
   if (sum.defined()) {
     sum.add_(grad);
   } else {
-    sum = grad.to(at::kFloat);  // an fp32 download is kept as it is, not copied
+    // An fp32 download with memory of its own is kept as it is; one that
+    // shares a download run's buffer is copied, or it would keep the whole
+    // run (up to 16 MiB of page-locked memory) until the step.
+    const bool shares_run = grad.layout() == at::kStrided && grad.storage().nbytes() > grad.nbytes();
+    sum = grad.scalar_type() == at::kFloat && shares_run ? grad.clone() : grad.to(at::kFloat);
   }
 }
 

@@ -88,6 +88,13 @@ class JobRunner {
  private:
   std::shared_ptr<Layer>& layer(int64_t l) { return (*c_.model.layers)[l]; }
 
+  // ---- per-layer times (for plans and the timer) ----
+  // Every microbatch is timed only for a trace: otherwise the last one, whose
+  // layers run as the others' do, and a device records two events per layer
+  // per job rather than per microbatch.
+  bool times_layers(int64_t m) const { return c_.trace || m == c_.num_microbatch - 1; }
+  MarkPtr layer_mark(int64_t m) { return times_layers(m) ? dev_.mark(Lane::kCompute) : nullptr; }
+
   // ---- timeline spans (only when tracing) ----
   MarkPtr mark(Lane lane) { return c_.trace ? dev_.mark(lane) : nullptr; }
   void add_span(TraceLane trace_lane, Lane lane, const char* kind, const char* label, size_t job, int64_t m,
@@ -139,6 +146,10 @@ class JobRunner {
   void upload(int64_t job, size_t op) {
     StageTensors st = upload_stage(dev_, c_.model, c_.jobs[job].layers, c_.trace);
     if (c_.trace) {
+      if (st.gate_start) {  // the upload waited for the optimizer to write these parameters
+        record_.spans.push_back(
+            SpanRecord{TraceLane::kParamUpload, "wait", "gate", job, -1, 0, st.gate_start, st.start});
+      }
       record_.spans.push_back(SpanRecord{TraceLane::kParamUpload, "upload", "params", job, -1, st.bytes, st.start,
                                          st.end});
     }
@@ -173,7 +184,9 @@ class JobRunner {
   // Microbatch m's inputs on this device (the upload lane's part; compute
   // waits for the fences in compute()).
   void upload_input(int64_t m, size_t op) {
-    in_ = c_.take(c_.flow[j_][m]);
+    // The call's own inputs stay in their slots: the caller's gradients are
+    // found through them once the call is done.
+    in_ = j_ == 0 ? c_.wait(c_.flow[0][m]) : c_.take(c_.flow[j_][m]);
     OnDevice x = to_device(in_, m);
     x_ = x.value;
     op_fences_[op] = x.fence;
@@ -247,7 +260,7 @@ class JobRunner {
     }
     c10::IValue out;
     dev_.before_layer();
-    MarkPtr start = dev_.mark(Lane::kCompute);
+    MarkPtr start = layer_mark(m);
     {
       LayerRunScope scope(&state);
       AutocastScope autocast(c_.record->autocast);
@@ -260,9 +273,11 @@ class JobRunner {
         body();
       }
     }
-    record_.layer_times.push_back(LayerTimeRecord{
-        LayerRange{l, l + 1}, mode == RunMode::kRecompute ? LayerAction::kRecompute : LayerAction::kForward, m,
-        start, dev_.mark(Lane::kCompute)});
+    if (start) {
+      record_.layer_times.push_back(LayerTimeRecord{
+          LayerRange{l, l + 1}, mode == RunMode::kRecompute ? LayerAction::kRecompute : LayerAction::kForward, m,
+          start, dev_.mark(Lane::kCompute)});
+    }
     if (mode == RunMode::kSaving && state.saved) {
       std::vector<Slot> host;
       for (const auto& v : *state.data) host.push_back(hand_off(v, -1, m));
@@ -296,7 +311,7 @@ class JobRunner {
   void compute_fused(int64_t m) {
     auto [x, leaves] = make_leaves(x_, in_.value, job_.layers.begin);
     at::AutoGradMode grad(true);
-    BackwardTimer timer(dev_, job_.layers, m);
+    BackwardTimer timer(dev_, job_.layers, m, times_layers(m));
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       x = run_layer(l, std::move(x), m, RunMode::kPlain);
       if (l + 1 < job_.layers.end) timer.watch(l, x);
@@ -322,7 +337,7 @@ class JobRunner {
       auto [x, leaves] = make_leaves(saved_, saved_in_.value, range.begin);
       {
         at::AutoGradMode grad(true);
-        BackwardTimer timer(dev_, range, m);
+        BackwardTimer timer(dev_, range, m, times_layers(m));
         for (int64_t l = range.begin; l < range.end; ++l) {
           x = run_layer(l, std::move(x), m, RunMode::kRecompute);
           if (l + 1 < range.end) timer.watch(l, x);
@@ -359,10 +374,12 @@ class JobRunner {
       {
         at::AutoGradMode grad(true);
         c10::IValue y = run_layer(l, std::move(x), m, RunMode::kRecompute);
-        MarkPtr start = dev_.mark(Lane::kCompute);
+        MarkPtr start = layer_mark(m);
         backward_outputs(y, grads);
-        record_.layer_times.push_back(
-            LayerTimeRecord{LayerRange{l, l + 1}, LayerAction::kBackward, m, start, dev_.mark(Lane::kCompute)});
+        if (start) {
+          record_.layer_times.push_back(
+              LayerTimeRecord{LayerRange{l, l + 1}, LayerAction::kBackward, m, start, dev_.mark(Lane::kCompute)});
+        }
       }
       input_grads = leaf_grads(leaves);
       grads = tensors_from_ivalue(input_grads);

@@ -128,15 +128,44 @@ class ModuleLayer final : public Layer {
     return replicas_.emplace(replica, std::move(made)).first->second;
   }
 
+  // A module's parameters and buffers holding no data while this lives
+  // (a tensor listed twice is restored last from its first, real, data).
+  class SwappedForEmpty {
+   public:
+    explicit SwappedForEmpty(torch::nn::Module& module) {
+      for (const auto& tensors : {module.parameters(), module.buffers()}) {
+        for (const at::Tensor& t : tensors) {
+          if (!t.defined()) continue;
+          swapped_.emplace_back(t, t.variable_data());
+          t.set_data(at::empty({0}, t.options()));
+        }
+      }
+    }
+    ~SwappedForEmpty() {
+      for (auto it = swapped_.rbegin(); it != swapped_.rend(); ++it) it->first.set_data(it->second);
+    }
+    SwappedForEmpty(const SwappedForEmpty&) = delete;
+    SwappedForEmpty& operator=(const SwappedForEmpty&) = delete;
+
+   private:
+    std::vector<std::pair<at::Tensor, at::Tensor>> swapped_;  // (variable, its data), in swap order
+  };
+
   // Clones the module without its tensor data, keeping the global random
   // state untouched (clone() re-runs reset(), which may draw random numbers).
+  // A replica binds device tensors, so what clone() would copy and draw is
+  // dropped at once: the original's tensors are swapped for empty ones while
+  // it clones, and reset()'s random fills are skipped, so a replica of a
+  // large layer costs neither a copy nor a draw of it. Replicas are made
+  // while the model is made, before any call reads the original.
   Replica make_replica() {
     std::lock_guard<std::mutex> rng_lock(cpu_generator_lock());
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     at::Tensor rng_state = generator_state(gen);
     torch::nn::AnyModule clone;
     try {
-      clone = any_.clone();
+      SwappedForEmpty swap(*module_);
+      without_random_fills([&] { clone = any_.clone(); });
     } catch (const c10::Error& e) {
       set_generator_state(gen, rng_state);
       TORCH_CHECK_VALUE(false, "layer ", index_, " (", module_->name(),

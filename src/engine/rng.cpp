@@ -38,13 +38,33 @@ uint64_t splitmix64(uint64_t x) {
 // key into operators it handles.
 
 thread_local at::Generator* keyed_generator = nullptr;  // the keyed run's, on this thread
+thread_local bool skipping_random_fills = false;         // without_random_fills on this thread
 
 bool is_optional_generator(const c10::Argument& a) {
   return a.type()->kind() == c10::TypeKind::OptionalType &&
          a.type()->containedType(0)->kind() == c10::TypeKind::GeneratorType;
 }
 
+// An operator that fills its first argument in place with random numbers
+// (normal_, uniform_, bernoulli_, ...).
+bool is_random_fill(const c10::FunctionSchema& schema) {
+  const auto& args = schema.arguments();
+  if (args.empty() || schema.returns().size() != 1 || schema.name().back() != '_') return false;
+  const c10::AliasInfo* self = args[0].alias_info();
+  if (self == nullptr || !self->isWrite()) return false;
+  for (const auto& a : args) {
+    if (is_optional_generator(a)) return true;
+  }
+  return false;
+}
+
 void pass_keyed_generator(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (skipping_random_fills && keys.has_backend(c10::BackendComponent::CPUBit) && is_random_fill(op.schema())) {
+    c10::IValue self = (*stack)[stack->size() - op.schema().arguments().size()];
+    torch::jit::drop(*stack, op.schema().arguments().size());
+    stack->push_back(std::move(self));  // left as it was
+    return;
+  }
   if (keyed_generator != nullptr && keys.has_backend(c10::BackendComponent::CPUBit)) {
     const auto& args = op.schema().arguments();
     const size_t first = stack->size() - args.size();
@@ -160,6 +180,20 @@ uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microba
 }
 
 void prepare_keyed_runs() { register_keyed_kernels(); }
+
+void without_random_fills(const std::function<void()>& fn) {
+  register_keyed_kernels();
+  c10::impl::IncludeDispatchKeyGuard include(c10::DispatchKey::CustomRNGKeyId);
+  const bool previous = skipping_random_fills;
+  skipping_random_fills = true;
+  try {
+    fn();
+  } catch (...) {
+    skipping_random_fills = previous;
+    throw;
+  }
+  skipping_random_fills = previous;
+}
 
 void run_with_random_stream(c10::Device device, uint64_t seed, const std::function<void()>& fn) {
   if (device.is_cpu()) {

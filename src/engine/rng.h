@@ -43,6 +43,12 @@ uint64_t stream_seed(uint64_t seed, int64_t call, int64_t layer, int64_t microba
 // were registered since the last time).
 void prepare_keyed_runs();
 
+// Runs `fn` with this thread's in-place random fills of CPU tensors
+// (normal_, uniform_, bernoulli_, ...) skipped, the tensors left as they
+// were: for making a layer's replicas, whose reset() would draw every
+// parameter of the layer only for the values to be dropped.
+void without_random_fills(const std::function<void()>& fn);
+
 // Runs `fn` drawing from the stream `seed`: on a CPU device from the
 // thread's own generator, elsewhere from `device`'s default generator
 // seeded with `seed`, holding its lock and restoring it afterwards.

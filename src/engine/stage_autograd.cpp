@@ -78,13 +78,15 @@ void check_losses(const c10::IValue& loss, const std::vector<at::Tensor>& roots)
   }
 }
 
-BackwardTimer::BackwardTimer(Device& dev, LayerRange layers, int64_t microbatch)
+BackwardTimer::BackwardTimer(Device& dev, LayerRange layers, int64_t microbatch, bool on)
     : dev_(dev),
       layers_(layers),
       microbatch_(microbatch),
+      on_(on),
       boundaries_(std::make_shared<std::vector<MarkPtr>>(layers.end - layers.begin + 1)) {}
 
 void BackwardTimer::watch(int64_t l, const c10::IValue& output) {
+  if (!on_) return;
   const size_t k = static_cast<size_t>(l + 1 - layers_.begin);
   for (const at::Tensor& t : flatten_tensors(output)) {
     if (!t.defined() || !t.requires_grad()) continue;
@@ -95,9 +97,12 @@ void BackwardTimer::watch(int64_t l, const c10::IValue& output) {
   }
 }
 
-void BackwardTimer::start() { boundaries_->back() = dev_.mark(Lane::kCompute); }
+void BackwardTimer::start() {
+  if (on_) boundaries_->back() = dev_.mark(Lane::kCompute);
+}
 
 void BackwardTimer::finish(std::vector<LayerTimeRecord>& out) {
+  if (!on_) return;
   std::vector<MarkPtr>& b = *boundaries_;
   b.front() = dev_.mark(Lane::kCompute);
   for (size_t hi = b.size() - 1; hi > 0;) {

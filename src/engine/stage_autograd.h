@@ -40,7 +40,8 @@ void check_losses(const c10::IValue& loss, const std::vector<at::Tensor>& roots)
 // the backward of the layer after it has finished.
 class BackwardTimer {
  public:
-  BackwardTimer(Device& dev, LayerRange layers, int64_t microbatch);
+  // `on` false: records nothing.
+  BackwardTimer(Device& dev, LayerRange layers, int64_t microbatch, bool on = true);
 
   // `output` is what layer l (not the stage's last) returned.
   void watch(int64_t l, const c10::IValue& output);
@@ -53,6 +54,7 @@ class BackwardTimer {
   Device& dev_;
   LayerRange layers_;
   int64_t microbatch_;
+  bool on_;
   std::shared_ptr<std::vector<MarkPtr>> boundaries_;  // [k]: before layer begin + k; shared with hooks
 };
 

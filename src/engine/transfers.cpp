@@ -10,9 +10,8 @@ namespace roundpipe {
 namespace {
 
 // Completes once the parameters of the given layers hold write
-// `generation`: on a CPU device an upload issued after it waits on its
-// lane, not on the worker, so the worker goes on queueing compute (an
-// accelerator's worker synchronizes it, see transfers.h).
+// `generation`: the parameter-upload lane waits for it (Device::lane_wait),
+// not the worker, which goes on queueing compute.
 // Also after the downloads of the buffers it reads from an earlier call.
 class ParamGateFence final : public Fence {
  public:
@@ -54,9 +53,9 @@ OnDevice to_device(Device& dev, const Slot& slot) {
 Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer) {
   Slot out;
   if (consumer == dev.index()) {
+    // Read by later compute of the same device: ordered by its lane already.
     out.value = value;
     out.device = dev.index();
-    out.fence = dev.lane_fence(Lane::kCompute);
     return out;
   }
   std::vector<at::Tensor> tensors = flatten_tensors(value);
@@ -114,7 +113,6 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
     if (earlier.downloaded) buffers_downloaded.push_back(std::move(earlier.downloaded));
   }
   StageTensors st;
-  if (timed) st.start = dev.mark(Lane::kParamUpload);
   std::vector<at::Tensor> moved;
   if (!host.empty()) {
     for (const at::Tensor& t : host) {
@@ -122,11 +120,18 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
     }
     auto gate = std::make_shared<ParamGateFence>(model.gate, std::move(gated), model.generation,
                                                  std::move(buffers_downloaded));
-    moved = dev.upload(host, Lane::kParamUpload, gate);
+    // The lane waits for the gate, then copies: the worker goes on, and a
+    // trace shows the wait apart from the copy.
+    if (timed && !gate->query()) st.gate_start = dev.mark(Lane::kParamUpload);
+    dev.lane_wait(Lane::kParamUpload, gate);
+    if (timed) st.start = dev.mark(Lane::kParamUpload);
+    moved = dev.upload(host, Lane::kParamUpload, nullptr);
     if (timed) st.end = dev.mark(Lane::kParamUpload);
     st.uploaded = dev.lane_fence(Lane::kParamUpload);
+  } else if (timed) {
+    st.start = dev.mark(Lane::kParamUpload);
+    st.end = st.start;
   }
-  if (timed && !st.end) st.end = dev.mark(Lane::kParamUpload);
   size_t next_buffer = first_buffer;
   for (int64_t l = range.begin; l < range.end; ++l) {
     std::vector<at::Tensor> params;

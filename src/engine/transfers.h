@@ -29,12 +29,14 @@ OnDevice to_device(Device& dev, const Slot& slot);
 Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer);
 
 // Uploads the parameters and buffers of `layers` to `dev` in one batch,
-// once the optimizer wrote them: on a CPU device a wait on the upload
-// lane, not the worker; an accelerator's worker waits on the host before
-// it issues the copy (a stream cannot wait for the optimizer thread, and a
-// blocking host callback would stall every stream's callbacks). A stage without parameters or buffers uploads nothing, and its
-// fence is null. With `timed`, the upload's start and end marks are taken
-// (the end before the fence, so compute waiting for it starts after it).
+// once the optimizer wrote them: the parameter-upload lane waits for that,
+// not the worker (a CPU device's lane thread; an accelerator's issuing
+// thread, since a stream cannot wait for the optimizer thread and a blocking
+// host callback would stall every stream's callbacks), so compute already
+// issued keeps the device busy. A stage without parameters or buffers
+// uploads nothing, and its fence is null. With `timed`, the upload's start
+// and end marks are taken (the end before the fence, so compute waiting for
+// it starts after it), and the wait's start when the gate was closed.
 StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange layers, bool timed);
 
 // Bytes of the tensors in `value`.

@@ -63,8 +63,9 @@ at::Tensor page_locked_bytes(int64_t bytes) {
   keep_out_of_forks(out);  // before page-locking: a fork would copy every locked page
   cudaError_t err = cudaSuccess;
   TORCH_CHECK(bytes == 0 || lock_pages(out.data_ptr(), bytes, err), "page-locking ", bytes,
-              " bytes of host memory for the model's parameters failed: ", cudaGetErrorString(err),
-              "; use pin_model='off' to train from unpinned memory");
+              " bytes of host memory failed: ", cudaGetErrorString(err),
+              " (the page-locked memory a process may have can be limited: ulimit -l, a container's memory "
+              "limit); pin_model='off' keeps the model's parameters in unpinned memory");
   return out;
 }
 

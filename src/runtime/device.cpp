@@ -86,6 +86,12 @@ void CpuDevice::set_copy_delay(std::chrono::microseconds delay) {
   for (auto& lane : lanes_) lane->set_delay(delay);
 }
 
+void CpuDevice::lane_wait(Lane lane, const FencePtr& fence) {
+  if (!fence) return;
+  if (lane == Lane::kCompute) return compute_wait(fence);
+  copy_lane(lane).issue_after(fence, [] {});
+}
+
 FencePtr CpuDevice::lane_fence(Lane lane) {
   if (lane == Lane::kCompute) return nullptr;  // compute has run when the worker gets here
   return copy_lane(lane).fence();
@@ -169,7 +175,7 @@ std::vector<at::Tensor> CpuDevice::download(const std::vector<at::Tensor>& devic
     MemoryCounterScope host_memory(nullptr);
     // Host memory laid out as on an accelerator; a CPU copy has no fixed
     // cost to save, so every tensor is copied alone.
-    host = plan_download(device_tensors, /*pinned=*/false).host;
+    host = plan_download(device_tensors, /*host_bytes=*/nullptr).host;
     for (size_t i = 0; i < host.size(); ++i) {
       if (!device_tensors[i].defined()) continue;
       poison(host[i]);

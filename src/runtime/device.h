@@ -88,6 +88,8 @@ class Device {
   // Bytes in use on the device now, and the most since the last reset.
   virtual int64_t memory_allocated() const = 0;
   virtual int64_t max_memory_allocated() const = 0;
+  // The most held from the device since the last reset, cached included.
+  virtual int64_t max_memory_reserved() const { return max_memory_allocated(); }
   virtual void reset_peak_memory() = 0;
 
   // ---- worker thread only ----
@@ -103,6 +105,13 @@ class Device {
   // are complete at the next lane_fence(Lane::kDownload). Undefined tensors
   // stay undefined; the copies have no autograd history.
   virtual std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) = 0;
+  // Work submitted on copy lane `lane` from now on starts once `fence` (any
+  // device's or the host's; null: no-op) has completed. The worker does not
+  // block: a CPU device's lane thread waits, an accelerator's stream waits
+  // for an event, and a host condition (the optimizer's parameter gate) is
+  // waited for by the thread that issues the accelerator's parameter
+  // uploads, so compute keeps being queued meanwhile.
+  virtual void lane_wait(Lane lane, const FencePtr& fence) = 0;
   // A fence after all work submitted on `lane` so far.
   virtual FencePtr lane_fence(Lane lane) = 0;
   // Makes the compute lane wait for `fence` (null: no-op); an accelerator's
@@ -186,6 +195,7 @@ class CpuDevice final : public Device {
 
   std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane, const FencePtr& after) override;
   std::vector<at::Tensor> download(const std::vector<at::Tensor>& device_tensors) override;
+  void lane_wait(Lane lane, const FencePtr& fence) override;
   FencePtr lane_fence(Lane lane) override;
   // Compute runs on the worker: waiting is blocking it.
   void compute_wait(const FencePtr& fence) override {

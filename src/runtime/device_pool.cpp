@@ -141,7 +141,7 @@ std::vector<DeviceMemoryStats> device_memory_stats() {
   auto& pool = DevicePool::instance();
   for (int64_t i = 0; i < pool.size(); ++i) {
     Device& d = pool.device(i);
-    out.push_back({d.name(), d.memory_allocated(), d.max_memory_allocated()});
+    out.push_back({d.name(), d.memory_allocated(), d.max_memory_allocated(), d.max_memory_reserved()});
   }
   return out;
 }

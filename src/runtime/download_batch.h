@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace roundpipe {
@@ -44,10 +45,15 @@ struct DownloadBatch {
   std::vector<Run> runs;
 };
 
-// Lays out host copies of `device_tensors` (page-locked when `pinned`):
+// Where a download's host memory comes from: a uint8 CPU tensor of the
+// given bytes (an accelerator's page-locked block pool). Null: ordinary
+// (pageable) host memory.
+using HostBytes = std::function<at::Tensor(int64_t bytes)>;
+
+// Lays out host copies of `device_tensors` in memory from `host_bytes`:
 // strided tensors below `gather_below` bytes share runs of at most
 // `max_run_bytes`, in batch order; every other tensor is a run of its own.
-DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, bool pinned,
+DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, const HostBytes& host_bytes,
                             int64_t gather_below = kGatherBelowBytes, int64_t max_run_bytes = kMaxRunBytes);
 
 }  // namespace roundpipe

@@ -28,7 +28,8 @@ struct TraceEvent {
   TraceLane lane = TraceLane::kCompute;
   // Kind of work, the event's category: "upload" (parameters), "compute",
   // "download" (gradients, buffers), "handoff" (activations between jobs or
-  // to/from the host), "optimizer".
+  // to/from the host), "optimizer", "wait" (a parameter upload waiting for
+  // the optimizer to write the stage's parameters).
   std::string kind;
   std::string name;    // shown on the bar, e.g. "fwd s2 mb0"
   double start_us = 0;  // from the trace's origin

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdlib>
 #include <future>
 #include <thread>
@@ -71,6 +73,68 @@ void on_worker(Device& dev, F fn) {
     done.set_value();
   });
   done.get_future().wait();
+}
+
+// A host condition that the test opens (as the optimizer opens its
+// parameter gate).
+class ManualFence final : public Fence {
+ public:
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void synchronize() const override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+  bool query() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return open_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// An upload behind a closed gate: the parameter-upload lane waits, the
+// worker goes on (it finishes its task and runs the next), and the upload
+// completes once the gate opens.
+void expect_a_gated_upload_leaves_the_worker_free(Device& dev) {
+  auto gate = std::make_shared<ManualFence>();
+  const at::Tensor host = at::arange(1 << 16, at::kFloat);
+  at::Tensor up;
+  FencePtr uploaded;
+  std::promise<void> issued, next;
+  dev.submit([&] {
+    dev.lane_wait(Lane::kParamUpload, gate);
+    up = dev.upload({host}, Lane::kParamUpload, nullptr)[0];
+    uploaded = dev.lane_fence(Lane::kParamUpload);
+    issued.set_value();
+  });
+  dev.submit([&] { next.set_value(); });
+  const bool worker_free = next.get_future().wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  const bool completed_early = worker_free && uploaded->query();
+  gate->open();  // before any assertion: a blocked worker must not hang the suite
+  issued.get_future().wait();
+  EXPECT_TRUE(worker_free) << "the worker waited for the gate";
+  EXPECT_FALSE(completed_early) << "the upload completed before its gate opened";
+  uploaded->synchronize();
+  EXPECT_TRUE(up.cpu().equal(host));
+}
+
+TEST(CpuDeviceLanes, AGatedUploadWaitsOnItsLaneNotOnTheWorker) {
+  if (get_device_names().front().rfind("cpu", 0) != 0) GTEST_SKIP() << "the Gpu test of the same name";
+  expect_a_gated_upload_leaves_the_worker_free(DevicePool::instance().device(0));
+}
+
+TEST(Gpu, AGatedUploadWaitsOnItsLaneNotOnTheWorker) {
+  if (get_device_names().front().rfind("cuda", 0) != 0) GTEST_SKIP() << "needs ROUNDPIPE_DEVICES=cuda";
+  expect_a_gated_upload_leaves_the_worker_free(DevicePool::instance().device(0));
 }
 
 TEST(CpuDeviceLanes, ACopyCompletesLateAndReadsAsNaNUntilItsFence) {

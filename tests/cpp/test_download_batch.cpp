@@ -19,7 +19,7 @@ TEST(DownloadBatch, SmallTensorsOfADtypeShareARunAndLargerOnesAreAlone) {
   const at::Tensor half = at::randn({5}).to(at::kBFloat16);
   const at::Tensor scalar = at::randn({});
   const std::vector<at::Tensor> batch_of{a, ints, medium, at::Tensor(), strided, half, scalar};
-  DownloadBatch batch = plan_download(batch_of, /*pinned=*/false, /*gather_below=*/2048, /*max_run_bytes=*/1 << 20);
+  DownloadBatch batch = plan_download(batch_of, /*host_bytes=*/nullptr, /*gather_below=*/2048, /*max_run_bytes=*/1 << 20);
 
   ASSERT_EQ(batch.host.size(), batch_of.size());
   EXPECT_FALSE(batch.host[3].defined());
@@ -83,17 +83,17 @@ TEST(DownloadBatch, SmallTensorsOfADtypeShareARunAndLargerOnesAreAlone) {
 
 TEST(DownloadBatch, RunsStayWithinTheirSizeAndKeepToOneSourceDevice) {
   const std::vector<at::Tensor> small{at::randn({6}), at::randn({6}), at::randn({6})};  // 24 bytes each
-  DownloadBatch capped = plan_download(small, false, /*gather_below=*/1024, /*max_run_bytes=*/48);
+  DownloadBatch capped = plan_download(small, nullptr, /*gather_below=*/1024, /*max_run_bytes=*/48);
   ASSERT_EQ(capped.runs.size(), 2u);
   EXPECT_EQ(capped.runs[0].members, (std::vector<size_t>{0, 1}));
   EXPECT_EQ(capped.runs[1].members, (std::vector<size_t>{2}));
-  DownloadBatch alone = plan_download(small, false, /*gather_below=*/0, /*max_run_bytes=*/0);
+  DownloadBatch alone = plan_download(small, nullptr, /*gather_below=*/0, /*max_run_bytes=*/0);
   ASSERT_EQ(alone.runs.size(), 3u);
   EXPECT_FALSE(shares_storage(alone.host[0], alone.host[2]));
-  EXPECT_TRUE(plan_download({}, false, 1024, 1024).runs.empty());
+  EXPECT_TRUE(plan_download({}, nullptr, 1024, 1024).runs.empty());
   // A tensor on another device never joins a run (a gather is one device's).
   const std::vector<at::Tensor> mixed{at::randn({4}), at::empty({4}, at::TensorOptions().device(at::kMeta)), at::randn({4})};
-  DownloadBatch split = plan_download(mixed, false, 1024, 1024);
+  DownloadBatch split = plan_download(mixed, nullptr, 1024, 1024);
   ASSERT_EQ(split.runs.size(), 2u);
   EXPECT_EQ(split.runs[0].members, (std::vector<size_t>{0, 2}));
   EXPECT_EQ(split.runs[1].members, (std::vector<size_t>{1}));

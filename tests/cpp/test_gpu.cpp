@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <future>
 
 #include "engine/host_store.h"
@@ -49,6 +50,18 @@ TEST(Gpu, ForwardBackwardMatchesPlainLibtorchOnTheGpu) {
     std::vector<at::Tensor> ref_grads;
     for (auto& g : grads_of(ref->parameters())) ref_grads.push_back(g.cpu());
     expect_all_close(grads_of(net->parameters()), ref_grads, 1e-5, "gradients on the GPU");
+  }
+}
+
+// scripts/gpu-check runs this one first in a process of its own: the
+// caching allocator refuses statistics before CUDA's first allocation.
+TEST(Gpu, MemoryStatsBeforeAnyAllocation) {
+  SKIP_WITHOUT_CUDA();
+  const std::vector<DeviceMemoryStats> stats = device_memory_stats();
+  ASSERT_EQ(stats.size(), static_cast<size_t>(get_num_devices()));
+  for (const DeviceMemoryStats& s : stats) {
+    EXPECT_GE(s.allocated_bytes, 0);
+    EXPECT_GE(s.max_reserved_bytes, s.max_allocated_bytes);
   }
 }
 
@@ -120,6 +133,117 @@ TEST(Gpu, ADownloadGathersSmallTensorsAndEveryTensorKeepsItsValue) {
   for (size_t i = 0; i + 1 < host.size(); ++i) {
     EXPECT_TRUE(host[i].is_pinned()) << i;
     EXPECT_TRUE(host[i].equal(on_gpu[i].cpu())) << i;
+  }
+}
+
+TEST(Gpu, InputGradientsComeBackOnTheInputsDevice) {
+  SKIP_WITHOUT_CUDA();
+  torch::manual_seed(5);
+  torch::nn::Sequential net = make_mlp(32, 4, 8);
+  torch::nn::Sequential ref = copy_of(net);
+  ref->to(torch::kCUDA);
+  RoundPipe model(net);
+  at::Tensor x = torch::randn({6, 32}, torch::kCUDA).requires_grad_();
+  at::Tensor y = torch::randn({6, 8}, torch::kCUDA);
+  model.forward_backward({x}, make_kwargs(), y, mse_loss_fn(), false, RunConfig().num_microbatch(2));
+  model.synchronize();
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(x.grad().is_cuda()) << "autograd rejects a gradient on another device than its input";
+  at::Tensor rx = x.detach().clone().requires_grad_();
+  auto xs = rx.tensor_split(2), ys = y.tensor_split(2);
+  for (int m = 0; m < 2; ++m) torch::mse_loss(ref->forward(xs[m]), ys[m]).backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), rx.grad(), 1e-5, 1e-6));
+}
+
+// Page-locked host memory a loop uses is made in its first iterations and
+// reused after: the blocks of downloads by size, host hand-offs let go
+// when their job took them.
+TEST(Gpu, PageLockedHostMemoryStaysFlatOverIterations) {
+  SKIP_WITHOUT_CUDA();
+  torch::nn::Sequential net = make_mlp(256, 6, 8);
+  RoundPipe model(net);
+  torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.01));
+  auto iteration = [&] {
+    model.forward_backward({torch::randn({32, 256})}, make_kwargs(), torch::randn({32, 8}), mse_loss_fn(), false,
+                           RunConfig().num_microbatch(4));
+    model.step([&] {
+      opt.step();
+      opt.zero_grad();
+    });
+  };
+  for (int i = 0; i < 3; ++i) iteration();
+  model.synchronize();
+  const int64_t warm = cuda::page_locked_host_bytes();
+  for (int i = 0; i < 8; ++i) iteration();
+  model.synchronize();
+  EXPECT_LE(cuda::page_locked_host_bytes(), warm) << "page-locked host memory grew after the loop warmed up";
+}
+
+// Device memory is allocated on the compute stream: the caching allocator
+// keeps each stream's blocks apart, and memory reserved for uploads on
+// their own stream would never serve compute.
+TEST(Gpu, ReservedDeviceMemoryStaysNearAllocated) {
+  SKIP_WITHOUT_CUDA();
+  torch::nn::Sequential net = make_mlp(1024, 8, 8);
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(1));
+  torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.01));
+  for (int i = 0; i < 4; ++i) {
+    model.forward_backward({torch::randn({64, 1024})}, make_kwargs(), torch::randn({64, 8}), mse_loss_fn(), false,
+                           RunConfig().num_microbatch(4));
+    model.step([&] {
+      opt.step();
+      opt.zero_grad();
+    });
+  }
+  model.synchronize();
+  const int index = DevicePool::instance().device(0).torch_device().index();
+  const int64_t allocated = cuda::peak_allocated_bytes(index), reserved = cuda::peak_reserved_bytes(index);
+  std::printf("RESULT id=gpu-reserved peak_allocated_mib=%.1f peak_reserved_mib=%.1f\n", allocated / 1048576.0,
+              reserved / 1048576.0);
+  EXPECT_LE(reserved, 2 * allocated + (int64_t{64} << 20));
+}
+
+TEST(Gpu, ADownloadOfATensorOnAnotherGpuIsCompleteAtTheDownloadFence) {
+  SKIP_WITHOUT_CUDA();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs";
+  Device& dev = DevicePool::instance().device(0);
+  const c10::Device other(c10::kCUDA, dev.torch_device().index() == 0 ? 1 : 0);
+  at::Tensor big = torch::full({int64_t(1) << 24}, 3.0, torch::TensorOptions().device(other));
+  std::vector<at::Tensor> host;
+  std::promise<void> done;
+  dev.submit([&] {
+    host = dev.download({big});
+    dev.lane_fence(Lane::kDownload)->synchronize();
+    done.set_value();
+  });
+  done.get_future().wait();
+  EXPECT_TRUE(host[0].equal(big.cpu()));
+}
+
+// Layer buffers and the caller's inputs live in pageable memory: they are
+// staged in page-locked memory before their asynchronous upload (a copy
+// from pageable memory would make the driver wait for the stream's earlier
+// work), and arrive intact.
+TEST(Gpu, BuffersAndInputsInPageableMemoryArriveIntact) {
+  SKIP_WITHOUT_CUDA();
+  torch::manual_seed(9);
+  torch::nn::Sequential net(torch::nn::Linear(16, 16), torch::nn::BatchNorm1d(16), torch::nn::Linear(16, 4));
+  torch::nn::Sequential ref = copy_of(net);
+  ref->to(torch::kCUDA);
+  RoundPipe model(net);
+  at::Tensor x = torch::randn({8, 16}), y = torch::randn({8, 4});
+  ASSERT_FALSE(x.is_pinned());
+  model.forward_backward({x}, make_kwargs(), y, mse_loss_fn(), false, RunConfig().num_microbatch(2));
+  model.synchronize();
+  auto xs = x.cuda().tensor_split(2), ys = y.cuda().tensor_split(2);
+  for (int m = 0; m < 2; ++m) torch::mse_loss(ref->forward(xs[m]), ys[m]).backward();
+  std::vector<at::Tensor> ref_grads;
+  for (auto& g : grads_of(ref->parameters())) ref_grads.push_back(g.cpu());
+  expect_all_close(grads_of(net->parameters()), ref_grads, 1e-5, "gradients");
+  const auto buffers = net->buffers(), ref_buffers = ref->buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(buffers[i].to(torch::kDouble), ref_buffers[i].cpu().to(torch::kDouble), 1e-5, 1e-6))
+        << "buffer " << i;
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <limits>
 #include <map>
 #include <set>
@@ -21,7 +22,12 @@
 #include <vector>
 
 #include "copy_delay.h"
+#include "engine/host_store.h"
+#include "engine/layer.h"
+#include "engine/transfers.h"
 #include "engine/tracer.h"
+#include "runtime/device_pool.h"
+#include "roundpipe/devices.h"
 #include "models.h"
 #include "schedule/simulator.h"
 
@@ -265,7 +271,7 @@ TEST(Trace, RealRunWritesChromeTraceWithJobsInOrderOnTheirDevice) {
   TracedRun run = traced_run(path);
   EXPECT_FALSE(tracing());
   EXPECT_EQ(run.process_names[0], "host");
-  EXPECT_EQ(run.process_names[1], "cpu:0");
+  EXPECT_EQ(run.process_names[1], get_device_names().front());
 
   // Per job (call, stage, job kind): its device and the times of its events.
   struct Job {
@@ -313,6 +319,45 @@ TEST(Trace, RealRunWritesChromeTraceWithJobsInOrderOnTheirDevice) {
     }
   }
   std::remove(path.c_str());
+}
+
+// A stage upload behind a closed parameter gate: the worker issues it and
+// goes on; the lane waits, and the timed upload's marks show the wait
+// (gate_start .. start, the trace's "wait" span) apart from the copy
+// (start .. end).
+void expect_a_gated_upload_traced_as_wait_then_copy(Device& dev) {
+  torch::nn::Linear linear(64, 64);
+  std::vector<std::shared_ptr<Layer>> layers = {make_module_layer(torch::nn::AnyModule(linear), 0)};
+  HostStore store(layers, PinMode::kAlloc, /*page_lock=*/false);
+  ParamGate gate(1);
+  const int64_t generation = gate.begin_write();
+  ModelView model{"gated", &layers, &store, 0, 0, &gate, generation, nullptr};
+  StageTensors st;
+  std::promise<void> issued;
+  dev.submit([&] {
+    st = upload_stage(dev, model, LayerRange{0, 1}, /*timed=*/true);
+    issued.set_value();
+  });
+  const bool worker_free = issued.get_future().wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the gate stays closed 30 ms at least
+  gate.mark_written(0, generation);
+  ASSERT_TRUE(worker_free) << "the worker waited for the gate";
+  ASSERT_TRUE(st.gate_start && st.start && st.end && st.uploaded);
+  st.uploaded->synchronize();
+  EXPECT_GE(st.start->ms_since(*st.gate_start), 30.0) << "the wait lasts until the gate opens";
+  EXPECT_GE(st.end->ms_since(*st.start), 0.0);
+  EXPECT_TRUE(st.params[0][0].cpu().equal(linear->weight));
+  EXPECT_TRUE(st.params[0][1].cpu().equal(linear->bias));
+}
+
+TEST(Trace, AnUploadWaitingForTheOptimizerShowsTheWaitApartFromTheCopy) {
+  if (get_device_names().front().rfind("cpu", 0) != 0) GTEST_SKIP() << "the Gpu test of the same name on accelerators";
+  expect_a_gated_upload_traced_as_wait_then_copy(DevicePool::instance().device(0));
+}
+
+TEST(Gpu, AnUploadWaitingForTheOptimizerShowsTheWaitApartFromTheCopy) {
+  if (get_device_names().front().rfind("cuda", 0) != 0) GTEST_SKIP() << "needs ROUNDPIPE_DEVICES=cuda";
+  expect_a_gated_upload_traced_as_wait_then_copy(DevicePool::instance().device(0));
 }
 
 TEST(Trace, EnvironmentVariableTracesAndErrorsAreClear) {
