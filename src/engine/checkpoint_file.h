@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "models/file_io.h"
+#include "util/atomic_file.h"
 
 namespace roundpipe {
 namespace detail {

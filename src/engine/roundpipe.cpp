@@ -370,8 +370,8 @@ void save_timings(const std::string& path, const std::vector<const RoundPipe*>& 
   os << "]}\n";
   try {
     write_file_atomically(path, os.str());
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, "save_timings: ", e.what());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "save_timings: ", e.what_without_backtrace());
   }
 }
 

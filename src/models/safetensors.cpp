@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "models/file_io.h"
+#include "util/atomic_file.h"
 #include "models/safetensors_header.h"
 #include "models/safetensors_internal.h"
 

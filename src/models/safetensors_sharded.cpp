@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "models/file_io.h"
+#include "util/atomic_file.h"
 #include "models/safetensors_header.h"
 #include "models/safetensors_internal.h"
 #include "roundpipe/safetensors.h"

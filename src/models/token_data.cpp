@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "models/file_io.h"
+#include "util/atomic_file.h"
 
 namespace roundpipe {
 namespace {

@@ -133,8 +133,8 @@ void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& 
                         const std::vector<std::string>& device_names) {
   try {
     write_file_atomically(path, chrome_trace_json(events, device_names));
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, "cannot write the trace: ", e.what());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "cannot write the trace: ", e.what_without_backtrace());
   }
 }
 
