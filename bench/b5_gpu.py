@@ -32,20 +32,25 @@ from reference_decoder import RefConfig, RefDecoder  # noqa: E402
 PEAK_FLOPS = 989e12  # H200 dense bf16 (BENCHMARKS.md): mfu counts 6 x parameters x tokens
 
 
-def qwen3_1_7b_shapes(tiny):
+def qwen3_config(hidden, mlp, layers, heads, kv_heads, tiny=False):
+    """A Qwen3 decoder config of these shapes (vocab 151936, head_dim 128);
+    `tiny`: a small one instead, for a dry run on CPU devices."""
+    if tiny:
+        hidden, mlp, layers, heads, kv_heads = 128, 384, 4, 4, 2
     c = presets.DecoderConfig()
     c.model_type = "qwen3"
-    if tiny:
-        c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = 512, 128, 384, 4
-        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 4, 2, 32
-    else:
-        c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = 151936, 2048, 6144, 28
-        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 16, 8, 128
+    c.vocab_size = 512 if tiny else 151936
+    c.hidden_size, c.intermediate_size, c.num_hidden_layers = hidden, mlp, layers
+    c.num_attention_heads, c.num_key_value_heads, c.head_dim = heads, kv_heads, 32 if tiny else 128
     c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings = 1e-6, 1000000.0, True
     c.max_position_embeddings = 40960
     c.loss_chunk_size = 4096
     c.validate()
     return c
+
+
+def qwen3_1_7b_shapes(tiny):
+    return qwen3_config(hidden=2048, mlp=6144, layers=28, heads=16, kv_heads=8, tiny=tiny)
 
 
 def sync(device):

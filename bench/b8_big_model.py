@@ -24,26 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import roundpipe  # noqa: E402
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, presets  # noqa: E402
-from b5_gpu import timed_steps  # noqa: E402
+from b5_gpu import qwen3_config, timed_steps  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 (BENCHMARKS.md)
 CAP_BYTES = 24 * 2**30
 
 
 def qwen3_4b_shapes(tiny):
-    c = presets.DecoderConfig()
-    c.model_type = "qwen3"
-    if tiny:
-        c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = 512, 128, 384, 4
-        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 4, 2, 32
-    else:
-        c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers = 151936, 2560, 9728, 36
-        c.num_attention_heads, c.num_key_value_heads, c.head_dim = 32, 8, 128
-    c.rms_norm_eps, c.rope_theta, c.tie_word_embeddings = 1e-6, 1000000.0, True
-    c.max_position_embeddings = 40960
-    c.loss_chunk_size = 4096
-    c.validate()
-    return c
+    return qwen3_config(hidden=2560, mlp=9728, layers=36, heads=32, kv_heads=8, tiny=tiny)
 
 
 def main():
