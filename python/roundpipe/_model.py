@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .microbatch import _with_packed_split
 from .run_config import RoundPipeRunConfig
 
 _PIN_MODES = ("alloc", "register", "off")
@@ -166,7 +167,8 @@ class RoundPipe(nn.Module):
         """Splits the batch into microbatches, runs the pipeline, merges the
         outputs (on the CPU by default). With grad mode on, the outputs carry
         autograd history: ``loss.backward()`` runs the backward stages."""
-        return self._engine.forward(args, kwargs, roundpipe_run_config)
+        return self._engine.forward(args, kwargs, _with_packed_split(args, kwargs, roundpipe_run_config,
+                                                                     self._run_config))
 
     def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=_default_loss_fn,
                          return_outputs=False, run_config=None):
@@ -190,6 +192,7 @@ class RoundPipe(nn.Module):
             raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
+        run_config = _with_packed_split(input_args, input_kwargs, run_config, self._run_config)
         out = self._engine.forward_backward(input_args, input_kwargs, label, loss_fn, bool(return_outputs),
                                             run_config)
         return tuple(out) if return_outputs else out

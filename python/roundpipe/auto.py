@@ -24,10 +24,10 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from . import _C
 from ._model import RoundPipe, _caller_name, load_into_matching
+from .microbatch import _merge_auto, _split_auto
 from .hf import _FAMILIES, merge_hf_outputs, preset_layers
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
@@ -89,43 +89,14 @@ def _without_shared(model, parts):
         parts = [q for q in parts if q not in shared]
 
 
-def _split(value_args, value_kwargs, label, n):
-    """SPEC 5's automatic split, for the whole model: tensors with dims are
-    split along dim 0 (a keyword tensor only if its dim 0 is the batch
-    size); everything else is replicated."""
-    leaves, spec = pytree.tree_flatten((value_args, value_kwargs))
-    batch = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    if batch is None:
-        raise ValueError("forward_backward: no input tensor with a batch dimension to split")
-    n = min(n, batch)
-    arg_leaves = len(pytree.tree_leaves(value_args))
-
-    def pieces(t, check_batch):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or (check_batch and t.shape[0] != batch):
-            return [t] * n
-        return list(torch.tensor_split(t, n))
-
-    split_leaves = [pieces(t, i >= arg_leaves) for i, t in enumerate(leaves)]
-    inputs = [pytree.tree_unflatten([s[m] for s in split_leaves], spec) for m in range(n)]
-    label_leaves, label_spec = pytree.tree_flatten(label)
-    split_labels = [pieces(t, False) for t in label_leaves]
-    labels = [pytree.tree_unflatten([s[m] for s in split_labels], label_spec) for m in range(n)]
-    return inputs, labels
-
-
-def _merge(outputs):
-    leaves = [pytree.tree_flatten(o) for o in outputs]
-    spec = leaves[0][1]
-    merged = []
-    for parts in zip(*(flat for flat, _ in leaves)):
-        first = parts[0]
-        if isinstance(first, torch.Tensor):
-            merged.append(torch.cat(parts) if first.dim() > 0 else torch.stack(parts).mean(0))
-        else:
-            if any(p != first for p in parts[1:]):
-                raise ValueError(f"forward_backward: an output ({first!r}) differs between microbatches")
-            merged.append(first)
-    return pytree.tree_unflatten(merged, spec)
+def _check_split_arguments(who, model, lower_threshold, upper_threshold, override_config):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+    for what, value in (("lower_threshold", lower_threshold), ("upper_threshold", upper_threshold)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{who}: {what} must be an int >= 0, got {value!r}")
+    if override_config is not None and not isinstance(override_config, dict):
+        raise TypeError(f"{who}: override_config must be a dict {{module: RoundPipeRunConfig}}")
 
 
 def _noop():
@@ -141,49 +112,45 @@ def _route_to(part):
 
 
 class AutoRoundPipe(nn.Module):
-    """``AutoRoundPipe(model, ...)`` is ``wrap_model_to_roundpipe(model, ...)``:
-    a RoundPipe for models with a preset or an ``nn.Sequential``, else the
-    model split into parts (module doc), returned as an AutoRoundPipe."""
+    """``model``'s module tree split into pipelined parts (module doc), for
+    any model: presets are ``wrap_model_to_roundpipe``'s choice.
 
-    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async", "_built"))
+    ``lower_threshold``, ``upper_threshold``, ``skip_modules`` and
+    ``override_config`` choose the parts (wrap_model_to_roundpipe); ``name``
+    and ``model_run_config`` are the model's; the other keywords go to each
+    part's RoundPipe (``optim_dtype``, ``pin_model``, ...)."""
 
-    def __new__(cls, model, *args, **kwargs):
-        kwargs.setdefault("name", _caller_name())
-        return wrap_model_to_roundpipe(model, *args, **kwargs)
+    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async"))
 
-    def __init__(self, *args, **kwargs):
-        pass  # built by split_module_tree; __new__ returned a built object
-
-    @classmethod
-    def split_module_tree(cls, model, lower_threshold, upper_threshold, skip_modules, override_config,
-                          name, model_run_config=None, **roundpipe_kwargs):
+    def __init__(self, model, lower_threshold=16 * 1024, upper_threshold=None, skip_modules=(),
+                 override_config=None, name=None, model_run_config=None, **roundpipe_kwargs):
+        _check_split_arguments("AutoRoundPipe", model, lower_threshold, upper_threshold, override_config)
+        name = _caller_name() if name is None else str(name)
         config = model_run_config if model_run_config is not None else RoundPipeRunConfig()
         if not isinstance(config, RoundPipeRunConfig):
-            raise TypeError("wrap_model_to_roundpipe: model_run_config must be a RoundPipeRunConfig")
+            raise TypeError("AutoRoundPipe: model_run_config must be a RoundPipeRunConfig")
         if upper_threshold is None:
             upper_threshold = max(1, _param_bytes(model) // (_C.get_num_devices() + 1))
         paths = _plan_parts(model, lower_threshold, upper_threshold, set(skip_modules))
         if not paths and model not in skip_modules and _param_bytes(model) > 0:
             paths = [""]  # too small to split: the whole model is one part
         if not paths:
-            raise ValueError(f"wrap_model_to_roundpipe: no submodule of the {type(model).__name__} has between "
+            raise ValueError(f"AutoRoundPipe: no submodule of the {type(model).__name__} has between "
                              f"lower_threshold={lower_threshold} and upper_threshold={upper_threshold} bytes of "
                              "parameters that it does not share; lower the thresholds")
-        self = nn.Module.__new__(cls)
         nn.Module.__init__(self)
         own = self.__dict__
         self._modules["model"] = model
-        own.update(name=str(name), _run_config=config, _warned_async=False, _part_paths=paths, _built=True)
+        own.update(name=name, _run_config=config, _warned_async=False, _part_paths=paths)
         parts = []
         for path in paths:
             module = model.get_submodule(path)
-            part = RoundPipe(_Part(module), name=f"{name}.{path}" if path else str(name),
+            part = RoundPipe(_Part(module), name=f"{name}.{path}" if path else name,
                              model_run_config=(override_config or {}).get(module, config), **roundpipe_kwargs)
             module.forward = _route_to(part)  # the model's calls of the submodule run the pipeline
             parts.append(part)
         own["_parts"] = parts
         self.training = model.training
-        return self
 
     # ---- calls -------------------------------------------------------------
 
@@ -204,8 +171,7 @@ class AutoRoundPipe(nn.Module):
             raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
-        n = self._num_microbatch(run_config)
-        inputs, labels = _split(input_args, input_kwargs, label, n)
+        inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config))
         total, outputs = None, []
         for (args_m, kwargs_m), label_m in zip(inputs, labels):
             out = self.model(*args_m, **kwargs_m)
@@ -217,7 +183,7 @@ class AutoRoundPipe(nn.Module):
             if return_outputs:
                 outputs.append(out)
         result = total if isinstance(loss, (list, tuple)) else total[0]
-        return (result, _merge(outputs)) if return_outputs else result
+        return (result, _merge_auto(outputs)) if return_outputs else result
 
     def _num_microbatch(self, run_config):
         if run_config is not None:
@@ -352,7 +318,7 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
       ``lower_threshold`` and ``upper_threshold`` bytes of parameters
       (default: the model's size / (devices + 1)), except ``skip_modules``;
       ``override_config`` maps a submodule to its part's run config. Returns
-      an AutoRoundPipe (roundpipe.auto).
+      ``AutoRoundPipe(model, ...)`` (roundpipe.auto).
 
     ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``, ``name``,
     ``model_run_config``, ``pin_model``, ``process_group``, ...).
@@ -362,11 +328,7 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
     if use_sequential_preset not in (None, True, False):
         raise TypeError(f"wrap_model_to_roundpipe: use_sequential_preset must be None, True or False, "
                         f"got {use_sequential_preset!r}")
-    for what, value in (("lower_threshold", lower_threshold), ("upper_threshold", upper_threshold)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"wrap_model_to_roundpipe: {what} must be an int >= 0, got {value!r}")
-    if override_config is not None and not isinstance(override_config, dict):
-        raise TypeError("wrap_model_to_roundpipe: override_config must be a dict {module: RoundPipeRunConfig}")
+    _check_split_arguments("wrap_model_to_roundpipe", model, lower_threshold, upper_threshold, override_config)
     roundpipe_kwargs.setdefault("name", _caller_name())
     layers = preset_layers(model) if use_sequential_preset is not False else None
     if layers is not None:
@@ -384,6 +346,5 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
                                   f"{', '.join(_FAMILIES)}")
     if isinstance(model, nn.Sequential):
         return RoundPipe(model, **roundpipe_kwargs)
-    name = roundpipe_kwargs.pop("name")
-    return AutoRoundPipe.split_module_tree(model, lower_threshold, upper_threshold, skip_modules,
-                                           override_config, name, **roundpipe_kwargs)
+    return AutoRoundPipe(model, lower_threshold, upper_threshold, skip_modules, override_config,
+                         **roundpipe_kwargs)

@@ -1,5 +1,12 @@
 """Split and merge specs (SPEC 5), compatible with
 ``torch.distributed.pipelining.microbatch``'s classes (accepted as well)."""
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import _C
+from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
 
 class TensorChunkSpec:
@@ -32,3 +39,138 @@ class CustomReducer:
 
 
 __all__ = ["TensorChunkSpec", "Replicate", "CustomReducer"]
+
+
+# ---- the automatic split and merge, for models run in Python ----------------
+# roundpipe.auto runs a whole model's microbatch loop in the calling thread.
+# The engine's split and merge (src/batch/microbatch.cpp) are not bound on
+# their own, only inside a pipeline call, which would copy every value through
+# a device: these follow the engine's rules, and tests hold them to it.
+
+
+def _rows(v):
+    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else None
+
+
+def _packed_rows(v):
+    """The rows a packed value (a merge_output=False output) was split from."""
+    if isinstance(v, _C.MicrobatchValues) and len(v) > 0 and all(_rows(t) is not None for t in v):
+        return sum(_rows(t) for t in v)
+    return None
+
+
+def _batch_size(args, kwargs):
+    """The batch size of a call (SPEC 5): dim 0 of the first tensor with dims
+    in the positional args; where they hold packed values and no such tensor,
+    the rows those were split from; else the first in the keyword args."""
+    leaves = pytree.tree_leaves(args)
+    for rows in (_rows, _packed_rows):
+        found = next((r for r in map(rows, leaves) if r is not None), None)
+        if found is not None:
+            return found
+    return next((r for r in map(_rows, pytree.tree_leaves(kwargs)) if r is not None), None)
+
+
+def _with_packed_split(args, kwargs, run_config, model_config):
+    """The run config for a call whose positional inputs are packed: the
+    engine takes the batch size from the first tensor it can split, a keyword
+    one here, so the keyword tensors of the packed batch size are split and the
+    others replicated by an explicit kwargs spec. Other calls: ``run_config``."""
+    split = run_config.split_input if run_config is not None and run_config.split_input is not None \
+        else model_config.split_input
+    if not kwargs or split not in (None, (None, None)):
+        return run_config
+    leaves = pytree.tree_leaves(args)
+    if any(_rows(v) is not None for v in leaves):
+        return run_config
+    batch = next((r for r in map(_packed_rows, leaves) if r is not None), None)
+    if batch is None:
+        return run_config
+
+    def spec(v):
+        if _rows(v) is not None:
+            return TensorChunkSpec(0) if _rows(v) == batch else Replicate
+        if type(v) in (tuple, list):
+            return type(v)(spec(x) for x in v)
+        if type(v) is dict and all(isinstance(k, str) for k in v):
+            return {k: spec(x) for k, x in v.items()}
+        return None  # automatic
+
+    fields = {f: getattr(run_config, f) for f in _RUN_CONFIG_FIELDS} if run_config is not None else {}
+    return RoundPipeRunConfig(**{**fields, "split_input": (None, {k: spec(v) for k, v in kwargs.items()})})
+
+
+def _split_auto(args, kwargs, label, n):
+    """The automatic split of (args, kwargs) and label into microbatches:
+    ``([(args_m, kwargs_m)], [label_m])``."""
+    batch = _batch_size(args, kwargs)
+    if batch is not None and batch < n:
+        if batch < 1:
+            raise ValueError("the batch is empty (dim 0 of the first input tensor is 0)")
+        warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}", stacklevel=3)
+        n = batch
+
+    def pieces(v, path, check_batch):
+        if isinstance(v, _C.MicrobatchValues):  # already split: microbatch m takes item m
+            if len(v) != n:
+                raise ValueError(f"{path}: MicrobatchValues holds {len(v)} items, expected {n} microbatches")
+            return list(v)
+        rows = _rows(v)
+        if rows is None or (check_batch and batch is not None and rows != batch):
+            return [v] * n
+        if rows < n:
+            raise ValueError(f"{path}: cannot split a tensor of shape {tuple(v.shape)} along dim 0 into {n} "
+                             f"microbatches (fewer than {n} rows)")
+        return list(torch.tensor_split(v, n))
+
+    def split(value, path, check_batch):
+        leaves, spec = pytree.tree_flatten(value)
+        columns = [pieces(v, path, check_batch) for v in leaves]
+        return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
+
+    split_args = split(tuple(args), "args", False)
+    split_kwargs = [dict(zip(kwargs, values)) for values in zip(*(split(v, f"kwargs['{k}']", True)
+                                                                  for k, v in kwargs.items()))] \
+        if kwargs else [{} for _ in range(n)]
+    return list(zip(split_args, split_kwargs)), split(label, "label", False)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device == b.device and a.shape == b.shape and torch.equal(a, b))
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # e.g. values whose == is not a truth value
+        return False
+
+
+def _merge_auto(outputs):
+    """The automatic merge of microbatch outputs: tensors with dims are
+    concatenated on dim 0, floating 0-dim tensors averaged, other values
+    (integer 0-dim tensors included) must agree."""
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    for m, (_, other) in enumerate(flat[1:], 1):
+        if other != spec:
+            raise ValueError(f"output: microbatch 0 is {spec} but microbatch {m} is {other}")
+    merged = []
+    for i, vals in enumerate(zip(*(leaves for leaves, _ in flat))):
+        first, where = vals[0], f"output leaf {i}"
+        if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in vals):
+            if first.dim() > 0:
+                if any(v.dim() == 0 for v in vals):
+                    raise ValueError(f"{where}: microbatch 0 has dims but another is a scalar tensor")
+                merged.append(torch.cat(vals) if len(vals) > 1 else first)
+                continue
+            if any(v.dim() > 0 for v in vals):
+                raise ValueError(f"{where}: microbatch 0 is a scalar tensor but another has dims")
+            if first.is_floating_point() or first.is_complex():
+                merged.append(torch.stack(vals).mean(0) if len(vals) > 1 else first)
+                continue
+        for m, v in enumerate(vals[1:], 1):
+            if not _same(first, v):
+                raise ValueError(f"{where}: microbatch 0 and microbatch {m} returned different values "
+                                 f"({first!r} vs {v!r}); only tensors can be merged")
+        merged.append(first)
+    return pytree.tree_unflatten(merged, spec)

@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 
 import roundpipe
-from roundpipe import AutoRoundPipe, OptimizerCtx, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe import AutoRoundPipe, OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
 
 from models import assert_close
 
@@ -138,3 +138,114 @@ def test_errors_and_the_asynchronous_step_warning():
         model.forward_backward((x,), run_config=RoundPipeRunConfig(merge_output=False))
     with pytest.raises(TypeError, match="cannot be moved"):
         model.cuda()
+
+
+# ---- the split and merge are the engine's ----------------------------------
+
+class Echo(nn.Module):
+    """Returns its inputs: run by a RoundPipe, its outputs show the engine's
+    split (merge_output=False) or merge (inputs already split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Parameter(torch.zeros(1))
+
+    def forward(self, *args, **kwargs):
+        return args, kwargs
+
+
+def assert_same_values(ours, engines, what):
+    ours_leaves, ours_spec = torch.utils._pytree.tree_flatten(ours)
+    their_leaves, their_spec = torch.utils._pytree.tree_flatten(engines)
+    assert ours_spec == their_spec, what
+    for i, (a, b) in enumerate(zip(ours_leaves, their_leaves)):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{what} leaf {i}"
+        else:
+            assert a == b, f"{what} leaf {i}: {a!r} vs {b!r}"
+
+
+def test_the_automatic_split_is_the_engines():
+    from roundpipe.microbatch import _split_auto
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(7, 3, generator=g), torch.tensor(2.5), 5, [torch.arange(14).view(7, 2), "s"])
+    # A keyword tensor is split only if its dim 0 is the batch size (7).
+    kwargs = {"mask": torch.randn(4, 4, generator=g), "z": torch.randn(7, generator=g), "n": torch.tensor(3)}
+    label = {"y": torch.arange(7), "w": 0.5}
+    echo = RoundPipe(Echo(), model_run_config=RoundPipeRunConfig(num_microbatch=3, merge_output=False))
+    packed = echo(*args, label, **kwargs)  # the label as the last positional arg: split as args are
+    inputs, labels = _split_auto(args, kwargs, label, 3)
+    assert len(inputs) == len(labels) == 3
+    for m in range(3):
+        engines = torch.utils._pytree.tree_map(lambda mv: mv[m], packed,
+                                               is_leaf=lambda v: isinstance(v, roundpipe._C.MicrobatchValues))
+        assert_same_values(((*inputs[m][0], labels[m]), inputs[m][1]), engines, f"microbatch {m}")
+    with pytest.warns(UserWarning, match="larger than the batch size 7; using 7"):
+        assert len(_split_auto(args, kwargs, label, 9)[0]) == 7
+
+
+def test_the_automatic_merge_is_the_engines():
+    from roundpipe.microbatch import _merge_auto
+
+    def engine_merge(outputs):
+        echo = RoundPipe(Echo(), model_run_config=RoundPipeRunConfig(
+            num_microbatch=len(outputs), split_input=lambda args, kwargs, n: ([(o,) for o in outputs], [{}] * n)))
+        return echo()[0][0]
+
+    def outputs(count):
+        return [{"logits": torch.full((2, 3), float(m)), "loss": torch.tensor(m + 0.5), "count": count(m),
+                 "tag": "same", "pair": (torch.ones(1, dtype=torch.int64) * m, None)} for m in range(3)]
+
+    # Floating scalars are averaged; integer scalars (here equal) kept.
+    agreeing = outputs(lambda m: torch.tensor(4))
+    merged = _merge_auto(agreeing)
+    assert merged["loss"] == torch.tensor(1.5) and merged["count"].dtype == torch.int64
+    assert_same_values(merged, engine_merge(agreeing), "merged")
+    # Integer scalars that differ are an error, as other values are.
+    for differing in (outputs(lambda m: torch.tensor(m)), outputs(lambda m: "x" * m)):
+        with pytest.raises(ValueError, match="microbatch 0 and microbatch 1 returned different values"):
+            engine_merge(differing)
+        with pytest.raises(ValueError, match="microbatch 0 and microbatch 1 returned different values"):
+            _merge_auto(differing)
+
+
+# ---- the batch size of packed (merge_output=False) inputs ------------------
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h, scale, shift):
+        return self.lin(h) * scale + shift
+
+
+def test_a_replicated_keyword_is_not_split_when_the_positional_inputs_are_packed():
+    """The batch size of packed inputs is the rows they were split from (6):
+    ``scale`` (4 rows) is replicated, ``shift`` (6 rows) is split."""
+    torch.manual_seed(4)
+    first, second = nn.Sequential(nn.Linear(4, 4)), Scaled()
+    ref_first, ref_second = copy.deepcopy(first), copy.deepcopy(second)
+    x, scale, shift = torch.randn(6, 4), torch.randn(4), torch.randn(6, 4)
+    ref_out = ref_second(ref_first(x), scale, shift)
+    ref_out.square().sum().backward()
+    a = RoundPipe(first, model_run_config=RoundPipeRunConfig(num_microbatch=2, merge_output=False))
+
+    b = RoundPipe(second, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    out = b(a(x), scale=scale, shift=shift)
+    assert_close(out, ref_out.detach(), what="RoundPipe output")
+    out.square().sum().backward()
+    a.synchronize()
+    b.synchronize()
+    for p, q in zip([*first.parameters(), *second.parameters()], [*ref_first.parameters(), *ref_second.parameters()]):
+        assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, what="gradient")
+
+    loss = b.forward_backward((a(x),), {"scale": scale, "shift": shift}, loss_fn=lambda out, _: out.square().sum())
+    assert_close(loss, ref_out.square().sum().detach(), what="forward_backward loss")
+
+    auto = AutoRoundPipe(Scaled(), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    auto.load_state_dict(second.state_dict())
+    loss, merged = auto.forward_backward((a(x),), {"scale": scale, "shift": shift},
+                                         loss_fn=lambda out, _: out.square().sum(), return_outputs=True)
+    assert_close(merged, ref_out.detach(), what="AutoRoundPipe output")
+    assert_close(loss, ref_out.square().sum().detach(), what="AutoRoundPipe loss")

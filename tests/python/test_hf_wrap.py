@@ -3,6 +3,7 @@ models of the four families, in processes with 1 and 3 CPU devices, the
 logits, the loss (padding; whole-batch mean and num_items_in_batch over
 microbatches; the load-balancing loss of the MoE families), every gradient,
 and every parameter after three optimizer steps, fp32, 1e-5 relative."""
+import copy
 import json
 import os
 import subprocess
@@ -253,7 +254,14 @@ def test_models_without_a_preset():
         wrap_model_to_roundpipe(seq, use_sequential_preset=True)
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         wrap_model_to_roundpipe("Qwen/Qwen3-0.6B")
+    # AutoRoundPipe(model) is an ordinary class: it always splits the module
+    # tree (presets are wrap_model_to_roundpipe's choice).
     hf = hf_models.model("llama")
+    ref = copy.deepcopy(hf)
     auto = roundpipe.AutoRoundPipe(hf, optim_dtype=torch.float32)
-    assert isinstance(auto, roundpipe.RoundPipe) and auto.config is hf.config
-    assert "test_hf_wrap.py" in auto.name
+    assert type(auto) is roundpipe.AutoRoundPipe and auto.config is hf.config and auto.model is hf
+    assert "test_hf_wrap.py" in auto.name and len(auto.parts()) > 1
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = auto(input_ids=ids, use_cache=False).logits  # one cache would take every microbatch
+        assert torch.allclose(got, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
