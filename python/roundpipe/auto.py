@@ -1,8 +1,9 @@
 """Models without a preset (SPEC 4.8): the module tree split into pipelined
 parts by parameter size.
 
-``wrap_model_to_roundpipe(model)`` of a model that has no preset and is not an
-``nn.Sequential`` walks its module tree. A submodule whose parameters take
+``AutoRoundPipe(model)``, which ``wrap_model_to_roundpipe(model)`` returns for
+a model that has no preset and is not an ``nn.Sequential``, walks its module
+tree. A submodule whose parameters take
 between ``lower_threshold`` and ``upper_threshold`` bytes (default: the
 model's size over the number of devices + 1) becomes a part: its own
 RoundPipe, running the submodule as one layer. Larger submodules are split
@@ -14,9 +15,9 @@ submodule qualifies (too small to split) is one part, whole.
 
 The model is not rebuilt: every submodule keeps its place, name and tensors,
 so ``state_dict`` and ``save_pretrained`` write the same keys as before;
-calling a part runs its pipeline. The returned :class:`AutoRoundPipe` has
+calling a part runs its pipeline. An :class:`AutoRoundPipe` has
 RoundPipe's calls (``forward``, ``forward_backward`` with the microbatch loop
-of SPEC 4.1, ``step``, ``synchronize``, ``optim_parameters``, ...). Its steps
+of SPEC 4.1 and RoundPipe's split and merge, ``step``, ``synchronize``, ``optim_parameters``, ...). Its steps
 are synchronous: the parts are separate pipelines, so the optimizer runs on
 the calling thread once every part has handed over its gradients.
 """
