@@ -6,7 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 
 namespace roundpipe {
 

@@ -2,7 +2,7 @@
 // Gloo collectives on host tensors), or a c10d process group made elsewhere.
 #include "roundpipe/distributed.h"
 
-#include "engine/optimizer_thread.h"
+#include "optim/optimizer_thread.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>

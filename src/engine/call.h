@@ -26,6 +26,7 @@
 #include "schedule/lane_program.h"
 #include "schedule/scheduler.h"
 #include "schedule/trace.h"
+#include "util/contextual_error.h"
 #include "util/countdown.h"
 
 namespace roundpipe {
@@ -198,16 +199,5 @@ class Call {
 // Thrown inside a job when another job of its call failed first.
 struct Cancelled {};
 
-// An exception that is not a c10::Error but takes the engine's context in
-// place, so it keeps its identity (a language binding's errors, e.g. a Python
-// exception that must reach Python as its own class).
-class ContextualError {
- public:
-  virtual ~ContextualError() = default;
-  virtual void add_context(const std::string& context) = 0;
-};
-
-// Rethrows `error` with `context` added, keeping the exception's type.
-[[noreturn]] void rethrow_with_context(std::exception_ptr error, const std::string& context);
 
 }  // namespace roundpipe

@@ -11,7 +11,7 @@
 #include "engine/rng.h"
 #include "engine/stage_autograd.h"
 #include "engine/transfers.h"
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 #include "schedule/lane_program.h"
 
 namespace roundpipe {
@@ -97,6 +97,14 @@ class JobRunner {
 
   // ---- timeline spans (only when tracing) ----
   MarkPtr mark(Lane lane) { return c_.trace ? dev_.mark(lane) : nullptr; }
+  // A download starts once the compute before it is done: the lane waits for
+  // that first, so the span's start (a device time on accelerators) is not
+  // before the compute it downloads.
+  MarkPtr download_mark() {
+    if (!c_.trace) return nullptr;
+    dev_.lane_wait(Lane::kDownload, dev_.lane_fence(Lane::kCompute));
+    return dev_.mark(Lane::kDownload);
+  }
   void add_span(TraceLane trace_lane, Lane lane, const char* kind, const char* label, size_t job, int64_t m,
                 int64_t bytes, MarkPtr start) {
     if (!c_.trace) return;
@@ -122,7 +130,7 @@ class JobRunner {
   // `value` handed to device `consumer` (-1: the host).
   Slot hand_off(const c10::IValue& value, int64_t consumer, int64_t m) {
     if (!c_.trace || consumer == dev_.index()) return roundpipe::hand_off(dev_, value, consumer);
-    MarkPtr start = mark(Lane::kDownload);
+    MarkPtr start = download_mark();
     Slot out = roundpipe::hand_off(dev_, value, consumer);
     add_span(TraceLane::kDownload, Lane::kDownload, "handoff", "act", j_, m, bytes_of(value), start);
     return out;
@@ -406,7 +414,7 @@ class JobRunner {
         }
       }
     }
-    MarkPtr start = mark(Lane::kDownload);
+    MarkPtr start = download_mark();
     int64_t bytes = 0;
     std::vector<at::Tensor> device_grads;
     for (auto& [id, grad] : sums) {
@@ -420,7 +428,7 @@ class JobRunner {
 
   // Buffers updated by this stage's forward persist (recomputation's do not).
   void download_buffers() {
-    MarkPtr start = mark(Lane::kDownload);
+    MarkPtr start = download_mark();
     int64_t bytes = 0;
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       std::vector<at::Tensor> bufs = layer(l)->bound_buffers(dev_.index());

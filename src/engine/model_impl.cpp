@@ -7,7 +7,7 @@
 
 #include "engine/data_parallel.h"
 #include "engine/lifetime.h"
-#include "engine/optimizer_thread.h"
+#include "optim/optimizer_thread.h"
 #include "engine/rng.h"
 #include "engine/tracer.h"
 #include "runtime/device_pool.h"

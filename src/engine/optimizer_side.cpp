@@ -7,7 +7,7 @@
 
 #include "engine/call.h"
 #include "engine/host_store.h"
-#include "engine/optimizer_thread.h"
+#include "optim/optimizer_thread.h"
 #include "engine/tracer.h"
 #include "optim/kernels/kernels.h"
 #include "roundpipe/optimizer.h"

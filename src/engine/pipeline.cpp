@@ -10,7 +10,7 @@
 #include "engine/host_store.h"
 #include "engine/job_runner.h"
 #include "engine/tracer.h"
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 #include "runtime/device_pool.h"
 #include "schedule/lane_program.h"
 

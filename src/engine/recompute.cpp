@@ -1,7 +1,7 @@
 #include <ATen/ATen.h>
 
 #include "engine/recompute_context.h"
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 #include "roundpipe/recompute.h"
 
 namespace roundpipe {

@@ -10,7 +10,7 @@
 #include "engine/checkpoint_internal.h"
 #include "engine/host_store.h"
 #include "engine/model_impl.h"
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 #include "util/atomic_file.h"
 
 #include <sstream>

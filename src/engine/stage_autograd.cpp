@@ -4,7 +4,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 
 namespace roundpipe {
 

@@ -3,7 +3,7 @@
 #include <unordered_map>
 
 #include "engine/host_store.h"
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 
 namespace roundpipe {
 

@@ -14,8 +14,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "engine/optimizer_thread.h"
-#include "engine/value_tree.h"
+#include "optim/optimizer_thread.h"
+#include "util/value_tree.h"
 #include "optim/checks.h"
 #include "optim/kernels/kernels.h"
 

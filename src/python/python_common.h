@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "engine/call.h"
+#include "util/contextual_error.h"
 #include "util/interrupt.h"
 
 namespace roundpipe {

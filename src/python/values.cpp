@@ -4,7 +4,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 
 namespace roundpipe {
 namespace python {

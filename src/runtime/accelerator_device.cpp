@@ -232,10 +232,18 @@ class AcceleratorDevice final : public Device {
   }
   ~AcceleratorDevice() override {
     stop_worker();
+    // Nothing issued may still use what goes with the device (the held host
+    // blocks go back to a pool shared by all devices). Each wait on its own:
+    // the driver may be shutting down at exit.
     try {
-      synchronize();  // nothing issued still uses what goes with the device
+      param_issuer_.synchronize();
     } catch (...) {
-      // the driver may be shutting down at exit
+    }
+    for (const auto& stream : streams_) {
+      try {
+        stream.synchronize();
+      } catch (...) {
+      }
     }
   }
 
@@ -255,19 +263,21 @@ class AcceleratorDevice final : public Device {
     if (is_cuda()) cuda::reset_peak_allocated_bytes(device_.index());
   }
 
-  // Device memory is allocated on the compute stream, where it is used: the
-  // caching allocator keeps each stream's blocks apart, so memory freed by
-  // compute would otherwise never serve an upload's allocation. The copy's
-  // stream is recorded on it, so it is not reused before the copy is done.
+  // Device memory is allocated on the stream that writes it: a block the
+  // caching allocator hands out on the compute stream may still be in use by
+  // compute queued there, which the copy's stream is not ordered after. The
+  // compute stream, which uses it, is recorded on it. (Each stream's blocks
+  // are kept apart; the stage slots bound what the upload streams hold.)
   std::vector<at::Tensor> upload(const std::vector<at::Tensor>& host, Lane lane, const FencePtr& after) override {
     held_.release_completed();
     const c10::Stream& stream = streams_[static_cast<int>(lane)];
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
     std::vector<at::Tensor> out(host.size()), sources(host.size());
+    c10::StreamGuard allocate_on(stream);
     for (size_t i = 0; i < host.size(); ++i) {
       if (!host[i].defined()) continue;
       out[i] = at::empty(host[i].sizes(), host[i].options().device(device_).memory_format(at::MemoryFormat::Contiguous));
-      impl->recordDataPtrOnStream(out[i].storage().data_ptr(), stream);
+      impl->recordDataPtrOnStream(out[i].storage().data_ptr(), compute_stream());
       sources[i] = host[i].detach();  // its own handle: the caller may set_data on its tensor
       // A caller's input on an accelerator, read here on `stream`: its
       // memory must outlive this copy however soon the caller frees it.
@@ -287,6 +297,9 @@ class AcceleratorDevice final : public Device {
     held_.release_completed();
     const c10::Stream& stream = streams_[static_cast<int>(Lane::kDownload)];
     EventFence(events_, compute_stream()).block(stream);  // one wait for the whole batch
+    // Everything below runs on the download stream: the gathers, and the
+    // temporaries a reshape or a peer copy makes, belong to it.
+    c10::StreamGuard guard(stream);
     at::NoGradGuard no_grad;
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
     // Recorded first: a copy issued before a later one fails still reads them.
@@ -299,7 +312,6 @@ class AcceleratorDevice final : public Device {
     std::vector<at::Tensor> sources = device_tensors;
     for (at::Tensor& t : sources) {
       if (t.defined() && t.device().type() == device_.type() && t.device() != device_) {
-        c10::StreamGuard guard(stream);
         t = t.to(device_);
         impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
       }
@@ -308,24 +320,15 @@ class AcceleratorDevice final : public Device {
     std::vector<at::Tensor> used;  // host memory the copies write
     for (const DownloadBatch::Run& run : batch.runs) {
       if (run.members.size() == 1) {
-        c10::StreamGuard guard(stream);
         batch.host[run.members[0]].copy_(sources[run.members[0]], /*non_blocking=*/true);
         used.push_back(batch.host[run.members[0]]);
         continue;
       }
-      // One gather kernel and one copy; the gathered tensor belongs to the
-      // compute stream's memory (see upload), used on this one.
+      // One gather kernel and one copy. The gathered tensor is made and
+      // freed on this stream, so the allocator reuses it only after the copy.
       std::vector<at::Tensor> flat;
       for (size_t i : run.members) flat.push_back(sources[i].reshape({-1}));
-      at::Tensor gathered;
-      {
-        c10::StreamGuard guard(compute_stream());
-        gathered = at::empty({run.into.numel()}, flat.front().options());
-      }
-      impl->recordDataPtrOnStream(gathered.storage().data_ptr(), stream);
-      c10::StreamGuard guard(stream);
-      at::cat_out(gathered, flat);
-      run.into.copy_(gathered, /*non_blocking=*/true);
+      run.into.copy_(at::cat(flat), /*non_blocking=*/true);
       used.push_back(run.into);
     }
     dirty_[static_cast<int>(Lane::kDownload)] = true;
@@ -445,12 +448,12 @@ class AcceleratorDevice final : public Device {
   // Carries only clock anchors (a stream of the high-priority pool, apart
   // from the lanes' streams).
   c10::Stream clock_stream_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
+  HeldUntilCopied held_;  // before the issuing thread, whose copies hold tensors in it
   // Issues the parameter-upload lane's work in order: an upload gated on the
   // optimizer (a host condition) waits there, not on the worker, which goes
   // on queueing compute. Runs a copy at once, on the worker, when the lane is
   // idle and its gate open.
   CopyLane param_issuer_;
-  HeldUntilCopied held_;
   std::mutex anchor_mu_;  // marks are also taken on the autograd thread
   std::shared_ptr<const ClockAnchor> anchor_;
   // Worker thread only: work was submitted on the lane since its last fence.

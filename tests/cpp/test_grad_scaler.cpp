@@ -11,7 +11,7 @@
 #include <set>
 #include <thread>
 
-#include "engine/optimizer_thread.h"
+#include "optim/optimizer_thread.h"
 #include "models.h"
 
 namespace roundpipe {

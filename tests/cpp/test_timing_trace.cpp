@@ -239,7 +239,7 @@ std::string temp_path(const std::string& name) {
 TracedRun traced_run(const std::string& path, int64_t iterations = 3) {
   torch::manual_seed(1);
   torch::nn::Sequential net = make_mlp();
-  RoundPipe model(net, RoundPipeOptions().set_max_devices(2).set_name("traced"));
+  RoundPipe model(net, RoundPipeOptions().set_max_devices(std::min<int64_t>(2, get_num_devices())).set_name("traced"));
   torch::optim::SGD opt(model.optim_parameters(), torch::optim::SGDOptions(0.01));
   const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(fused_plan());
   start_trace(path);

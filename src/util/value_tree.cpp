@@ -1,4 +1,4 @@
-#include "engine/value_tree.h"
+#include "util/value_tree.h"
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>

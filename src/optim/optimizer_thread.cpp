@@ -1,4 +1,4 @@
-#include "engine/optimizer_thread.h"
+#include "optim/optimizer_thread.h"
 
 #include <atomic>
 #include <exception>
