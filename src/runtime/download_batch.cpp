@@ -36,7 +36,7 @@ DownloadBatch plan_download(const std::vector<at::Tensor>& device_tensors, const
   }
   // `numel` elements of `dtype` in memory of their own.
   auto host_memory = [&](at::ScalarType dtype, int64_t numel) {
-    if (!host_bytes) return at::empty({numel}, at::TensorOptions().dtype(dtype));
+    if (!host_bytes || numel == 0) return at::empty({numel}, at::TensorOptions().dtype(dtype));
     return tensor_over(host_bytes(numel * static_cast<int64_t>(c10::elementSize(dtype))),
                        c10::scalarTypeToTypeMeta(dtype), 0, {numel});
   };

@@ -84,7 +84,8 @@ TEST(HostBlockPool, CachedBytesNeverExceedThePeakInUse) {
 
 TEST(HostBlockPool, DownloadsLayTheirRunsInPoolBlocks) {
   CountingPool p;
-  std::vector<at::Tensor> device = {at::ones({3}), at::ones({5}, at::kDouble), at::full({300000}, 2.0)};
+  std::vector<at::Tensor> device = {at::ones({3}), at::ones({5}, at::kDouble), at::full({300000}, 2.0),
+                                    at::ones({0, 4}, at::kInt)};
   for (int iteration = 0; iteration < 3; ++iteration) {
     DownloadBatch batch = plan_download(device, [&](int64_t bytes) { return p.pool.take(bytes); });
     for (size_t i = 0; i < device.size(); ++i) {
@@ -94,7 +95,8 @@ TEST(HostBlockPool, DownloadsLayTheirRunsInPoolBlocks) {
       EXPECT_TRUE(batch.host[i].equal(device[i]));
     }
   }
-  EXPECT_EQ(p.made, 3) << "three runs (float, double, the large tensor), made once for three iterations";
+  EXPECT_EQ(p.made, 3) << "three runs (float, double, the large tensor), made once for three iterations; "
+                          "an empty tensor needs no block";
 }
 
 TEST(HostHandoff, ATakenSlotLetsItsHostValueGo) {
