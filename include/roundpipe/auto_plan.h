@@ -1,5 +1,6 @@
-// The automatic execution planner (SPEC 6, ModelExecutePlan.auto): groups each
-// model's layers into stages from per-layer time and size estimates.
+// The automatic execution planner (ModelExecutePlan.auto in Python; docs/trace.md,
+// "2. Execution plans"): groups each model's layers into stages from per-layer
+// time and size estimates.
 //
 // Stage time. A forward stage costs the sum of its layers' fwd_ms; the fused
 // stage of a fused plan (bwd_plan[0]) costs fwd_ms + bwd_ms; every other

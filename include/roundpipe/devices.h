@@ -1,4 +1,5 @@
-// The device pool shared by every RoundPipe model of the process (SPEC 3).
+// The device pool shared by every RoundPipe model of the process
+// (docs/guide.md, "1. Devices").
 //
 // Selected once, at first use, by ROUNDPIPE_DEVICES:
 //   "cuda"      all visible CUDA devices

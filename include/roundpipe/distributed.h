@@ -1,4 +1,4 @@
-// Data parallelism across processes and machines (SPEC 8).
+// Data parallelism across processes and machines (docs/distributed.md).
 //
 // Each process runs a RoundPipe model on its own devices with its share of the
 // batch. Give the models one ProcessGroup (RoundPipeOptions::process_group):

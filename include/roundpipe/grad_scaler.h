@@ -1,4 +1,4 @@
-// GradScaler: dynamic loss scaling for mixed-precision training (SPEC 4.4),
+// GradScaler: dynamic loss scaling for mixed-precision training,
 // interface-compatible with torch.amp.GradScaler and safe across the three
 // threads of RoundPipe training:
 //

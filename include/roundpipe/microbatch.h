@@ -1,4 +1,4 @@
-// Splitting call inputs into microbatches and merging their outputs (SPEC 5).
+// Splitting call inputs into microbatches and merging their outputs.
 //
 // Values are c10::IValue trees: tuples, lists and string-keyed dicts are
 // traversed; tensors and every other value are leaves. A Spec tree mirrors a
@@ -33,7 +33,10 @@ class Spec {
   enum class Kind { kAuto, kChunk, kReplicate, kReducer, kTuple, kList, kDict };
   using ReduceFn = std::function<c10::IValue(const c10::IValue& acc, const c10::IValue& x)>;
 
-  // Automatic handling of the whole subtree (SPEC 5 rules).
+  // Automatic handling of the whole subtree: tensors with dims are split along
+  // dim 0 (a keyword tensor only if its dim 0 is the batch size) and
+  // concatenated; other values are replicated, and on merge floating scalars
+  // are averaged and other values must agree across microbatches.
   Spec() = default;
 
   static Spec tuple(std::vector<Spec> items);
@@ -124,16 +127,16 @@ c10::optional<int64_t> find_batch_size(const std::vector<c10::IValue>& args, con
 c10::optional<int64_t> split_batch_size(const std::vector<c10::IValue>& args, const Kwargs& kwargs,
                                         const InputSplit& how);
 
-// Splits the inputs of a call into exactly n microbatches (SPEC 5).
+// Splits the inputs of a call into exactly n microbatches.
 // Throws c10::ValueError when a spec does not fit the value, a function returns
 // a different number of microbatches, or a tensor cannot be chunked (too small).
 MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
                               const InputSplit& how);
 
-// Splits a label into exactly n microbatch labels (SPEC 5).
+// Splits a label into exactly n microbatch labels.
 std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how);
 
-// Merges n microbatch outputs into one value (SPEC 5). Throws c10::ValueError
+// Merges n microbatch outputs into one value. Throws c10::ValueError
 // when non-tensor leaves differ across microbatches or structures differ.
 c10::IValue merge_outputs(const std::vector<c10::IValue>& outputs, const OutputMerge& how);
 

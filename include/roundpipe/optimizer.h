@@ -1,5 +1,5 @@
-// The optimizer side of RoundPipe (SPEC 4.2, 4.3): optimizer copies, the
-// optimizer thread, and the parameters() redirection.
+// The optimizer side of RoundPipe (docs/guide.md, "3. A training loop"):
+// optimizer copies, the optimizer thread, and the parameters() redirection.
 //
 // Thread-safety: set_sync_warmup_steps is thread-safe. OptimizerCtx acts on
 // the calling thread only.

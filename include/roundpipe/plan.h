@@ -1,4 +1,5 @@
-// Execution plans: how a model's layers are grouped into stages (SPEC 6).
+// Execution plans: how a model's layers are grouped into stages
+// (docs/guide.md, "5. Execution plans").
 //
 // Thread-safety: plain values.
 #pragma once
@@ -37,10 +38,10 @@ struct ModelExecutePlan {
     return fwd_plan == o.fwd_plan && bwd_plan == o.bwd_plan;
   }
 
-  // Checks every rule of SPEC 6 for a model of `num_layers` layers used as
-  // `kind`. Throws c10::ValueError naming the broken rule and the offending
-  // ranges, e.g. "backward ranges must cover every layer exactly once: layer 3
-  // is in range(2, 4) and range(3, 5)".
+  // Checks every rule above (fwd_plan, bwd_plan, RunKind) for a model of
+  // `num_layers` layers used as `kind`. Throws c10::ValueError naming the
+  // broken rule and the offending ranges, e.g. "backward ranges must cover
+  // every layer exactly once: layer 3 is in range(2, 4) and range(3, 5)".
   void validate(int64_t num_layers, RunKind kind) const;
 
   // "fwd [range(0, 2), range(2, 4)] bwd [range(3, 4), ...]".

@@ -1,5 +1,5 @@
-// Hooks for layers whose recomputation needs data from their first forward
-// (SPEC 4.6). Call them from inside a layer's forward.
+// Hooks for layers whose recomputation needs data from their first forward.
+// Call them from inside a layer's forward.
 //
 // Thread-safety: they act on the calling thread's current layer run.
 #pragma once

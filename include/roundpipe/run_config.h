@@ -1,4 +1,4 @@
-// Per-model and per-call run options (SPEC 4.5).
+// Per-model and per-call run options (docs/guide.md, "4. Run options").
 //
 // Every field is optional: unset means "inherit" (per-call config > model-level
 // config > built-in default). Setters chain:

@@ -1,6 +1,7 @@
-// Per-layer timing (SPEC 4.7 and 6): how long each layer's forward,
-// recomputation and backward take on the devices, per microbatch. The
-// automatic execution plan balances its stages with these estimates.
+// Per-layer timing (docs/trace.md, "1. Per-layer timing"): how long each
+// layer's forward, recomputation and backward take on the devices, per
+// microbatch. The automatic execution plan balances its stages with these
+// estimates.
 #pragma once
 
 #include <c10/util/Optional.h>

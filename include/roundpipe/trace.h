@@ -1,4 +1,4 @@
-// Timeline traces of real runs (SPEC 8): every job's parameter uploads,
+// Timeline traces of real runs: every job's parameter uploads,
 // compute per (stage, microbatch), activation hand-offs and downloads on each
 // device, and every optimizer step, written as a Chrome trace JSON that opens
 // in Perfetto (ui.perfetto.dev) or chrome://tracing. scripts/trace-svg

@@ -1,4 +1,4 @@
-"""RoundPipe: a host-resident model run as a pipeline over the devices (SPEC 4.1)."""
+"""RoundPipe: a host-resident model run as a pipeline over the devices (docs/python.md)."""
 import atexit
 import functools
 import os

@@ -1,5 +1,5 @@
-"""Models without a preset (SPEC 4.8): the module tree split into pipelined
-parts by parameter size.
+"""Models without a preset (docs/hf.md, "Other models"): the module tree
+split into pipelined parts by parameter size.
 
 ``AutoRoundPipe(model)``, which ``wrap_model_to_roundpipe(model)`` returns for
 a model that has no preset and is not an ``nn.Sequential``, walks its module
@@ -17,9 +17,10 @@ The model is not rebuilt: every submodule keeps its place, name and tensors,
 so ``state_dict`` and ``save_pretrained`` write the same keys as before;
 calling a part runs its pipeline. An :class:`AutoRoundPipe` has
 RoundPipe's calls (``forward``, ``forward_backward`` with the microbatch loop
-of SPEC 4.1 and RoundPipe's split and merge, ``step``, ``synchronize``, ``optim_parameters``, ...). Its steps
-are synchronous: the parts are separate pipelines, so the optimizer runs on
-the calling thread once every part has handed over its gradients.
+of ``RoundPipe.forward_backward`` and RoundPipe's split and merge, ``step``,
+``synchronize``, ``optim_parameters``, ...). Its steps are synchronous: the
+parts are separate pipelines, so the optimizer runs on the calling thread
+once every part has handed over its gradients.
 """
 import warnings
 
@@ -161,8 +162,9 @@ class AutoRoundPipe(nn.Module):
 
     def forward_backward(self, input_args=(), input_kwargs=None, label=None,
                          loss_fn=lambda outputs, labels: outputs, return_outputs=False, run_config=None):
-        """The loop of SPEC 4.1 over microbatches of the whole model (automatic
-        split; ``run_config`` may set num_microbatch only)."""
+        """The loop of ``RoundPipe.forward_backward`` over microbatches of the
+        whole model (automatic split; ``run_config`` may set num_microbatch
+        only)."""
         if isinstance(input_args, list):
             input_args = tuple(input_args)
         if not isinstance(input_args, tuple):

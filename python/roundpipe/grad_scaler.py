@@ -1,5 +1,6 @@
-"""GradScaler (SPEC 4.4): dynamic loss scaling that is safe across RoundPipe's
-threads. Interface-compatible with ``torch.amp.GradScaler``.
+"""GradScaler (docs/python.md, "GradScaler"): dynamic loss scaling that is
+safe across RoundPipe's threads. Interface-compatible with
+``torch.amp.GradScaler``.
 
 - ``scale(outputs)`` runs inside ``loss_fn`` on the device workers;
 - ``unscale_(optimizer)`` and ``step(optimizer)`` run inside ``step_fn`` on the

@@ -1,4 +1,4 @@
-"""Hugging Face models as users load them (SPEC 4.8).
+"""Hugging Face models as users load them (docs/hf.md).
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = roundpipe.wrap_model_to_roundpipe(model, optim_dtype=torch.float32)

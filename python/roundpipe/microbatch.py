@@ -1,4 +1,4 @@
-"""Split and merge specs (SPEC 5), compatible with
+"""Split and merge specs (docs/python.md, "API summary"), compatible with
 ``torch.distributed.pipelining.microbatch``'s classes (accepted as well)."""
 import warnings
 
@@ -60,7 +60,7 @@ def _packed_rows(v):
 
 
 def _batch_size(args, kwargs):
-    """The batch size of a call (SPEC 5): dim 0 of the first tensor with dims
+    """The batch size of a call: dim 0 of the first tensor with dims
     in the positional args; where they hold packed values and no such tensor,
     the rows those were split from; else the first in the keyword args."""
     leaves = pytree.tree_leaves(args)

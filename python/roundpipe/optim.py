@@ -1,6 +1,7 @@
-"""Vectorized CPU optimizers (SPEC 4.2): drop-ins for torch.optim.Adam, AdamW
-and SGD over fp32 or complex64, contiguous, dense CPU tensors (the optimizer
-copies; complex tensors are updated as pairs of reals, as torch.optim does).
+"""Vectorized CPU optimizers (docs/python.md, "API summary"): drop-ins for
+torch.optim.Adam, AdamW and SGD over fp32 or complex64, contiguous, dense
+CPU tensors (the optimizer copies; complex tensors are updated as pairs of
+reals, as torch.optim does).
 
 Same update math as torch.optim's single-tensor implementations (results
 within 1e-6 relative), same state dict layout; the update of each parameter

@@ -1,4 +1,4 @@
-"""OptimizerCtx (SPEC 4.2)."""
+"""OptimizerCtx (docs/python.md, "API summary")."""
 from . import _C
 
 

@@ -1,4 +1,4 @@
-"""ModelExecutePlan: how a call groups layers into stages (SPEC 6)."""
+"""ModelExecutePlan: how a call groups layers into stages (docs/trace.md, "2. Execution plans")."""
 
 
 class ModelExecutePlan:

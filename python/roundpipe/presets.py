@@ -1,5 +1,6 @@
-"""Llama and Qwen3 dense decoders (SPEC 4.7), built by the C++ engine and
-held in Python as an ``nn.Sequential``: embedding | decoder blocks | head.
+"""Llama and Qwen3 dense decoders (docs/python.md, "API summary"), built by
+the C++ engine and held in Python as an ``nn.Sequential``: embedding |
+decoder blocks | head.
 
     from roundpipe import RoundPipe, presets
     config = presets.load_config("Qwen3-0.6B/config.json")    # or tiny_llama_config()

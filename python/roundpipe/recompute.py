@@ -1,4 +1,4 @@
-"""Recompute hooks (SPEC 4.6): a layer can keep data from its forward for the
+"""Recompute hooks: a layer can keep data from its forward for the
 recomputation of that forward before backward."""
 from . import _C
 

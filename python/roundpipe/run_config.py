@@ -1,4 +1,4 @@
-"""RoundPipeRunConfig: per-model and per-call settings (SPEC 4.5)."""
+"""RoundPipeRunConfig: per-model and per-call settings (docs/guide.md, "4. Run options")."""
 
 _FIELDS = ("num_microbatch", "recompute_grain", "output_device", "preserve_rng_state",
            "requires_grad", "split_input", "split_label", "merge_output", "execute_plan")

@@ -1,4 +1,4 @@
-"""Per-layer timing (SPEC 4.7).
+"""Per-layer timing (docs/trace.md, "1. Per-layer timing").
 
 Every call measures each layer's forward (``fwd``), recomputation (``re``) and
 backward (``bwd``) time per microbatch on the devices. The first record of

@@ -1,4 +1,5 @@
-// Splitting call inputs into microbatches and merging their outputs (SPEC 5).
+// Splitting call inputs into microbatches and merging their outputs
+// (roundpipe/microbatch.h).
 #include <roundpipe/microbatch.h>
 
 #include <ATen/ATen.h>

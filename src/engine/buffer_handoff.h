@@ -1,8 +1,8 @@
 // The buffers one call's forward left, layer by layer, for the calls issued
-// while it is still running (iteration overlap, SPEC 4.3): a buffer is
-// ordered like a parameter, so the next call uploads what the previous
-// call's forward wrote, not the host buffers that call will write back only
-// when it is applied.
+// while it is still running (iteration overlap; docs/guide.md,
+// "3. A training loop"): a buffer is ordered like a parameter, so the next
+// call uploads what the previous call's forward wrote, not the host buffers
+// that call will write back only when it is applied.
 //
 // Thread-safety: publish() and fail() on the producing call's device
 // workers (fail() also on the user thread), wait() on the consuming calls'

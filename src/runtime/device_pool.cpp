@@ -61,7 +61,7 @@ std::vector<std::string> DevicePool::parse_spec(const std::string& spec, int64_t
   }
   if (spec.rfind("cuda:", 0) == 0) {
     // Items "N" or "cuda:N", each optionally "xK" for K devices over that GPU
-    // (several devices over one GPU, each with its own streams: SPEC 3).
+    // (several devices over one GPU, each with its own streams: roundpipe/devices.h).
     std::stringstream list(spec.substr(5));
     std::string item;
     while (std::getline(list, item, ',')) {

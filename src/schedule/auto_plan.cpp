@@ -1,4 +1,5 @@
-// The automatic execution planner and its hysteresis (SPEC 6).
+// The automatic execution planner and its hysteresis
+// (docs/trace.md, "The default: automatic, with hysteresis").
 #include <roundpipe/auto_plan.h>
 
 #include <c10/util/Exception.h>

@@ -1,4 +1,5 @@
-// Execution plan validation and the default (byte-balanced) plan (SPEC 6).
+// Execution plan validation and the default (byte-balanced) plan
+// (roundpipe/plan.h).
 #include <roundpipe/plan.h>
 
 #include <c10/util/Exception.h>

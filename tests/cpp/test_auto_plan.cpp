@@ -1,4 +1,4 @@
-// Tests for the automatic execution planner (SPEC 6, ModelExecutePlan.auto):
+// Tests for the automatic execution planner (roundpipe/auto_plan.h, ModelExecutePlan.auto):
 // hand-checked examples, then properties over random costs checked against a
 // brute force over every contiguous split, hysteresis under timing noise,
 // joint planning and input errors.

@@ -1,4 +1,4 @@
-// Bad-input catalog (SPEC 7), the C++ counterpart of
+// Bad-input catalog, the C++ counterpart of
 // tests/python/test_bad_input_catalog.py: for every public entry point, each
 // invalid argument gets a c10::Error of the right type whose message names
 // the entry point and what was wrong; nothing crashes or hangs; no state

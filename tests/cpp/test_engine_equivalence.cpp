@@ -59,7 +59,7 @@ TEST_P(MlpEquivalence, LossGradientsAndParametersMatchPlainLibtorch) {
 
   for (int step = 0; step < 5; ++step) {
     at::Tensor x = torch::randn({batch, 16}), y = torch::randn({batch, 4});
-    // Reference: the loop of SPEC 4.1 (fused) or one full-batch backward.
+    // Reference: the loop of RoundPipe::forward_backward (fused) or one full-batch backward.
     double ref_loss = 0;
     if (c.fused) {
       auto xs = x.tensor_split(c.microbatches), ys = y.tensor_split(c.microbatches);

@@ -92,7 +92,7 @@ void set_values(torch::nn::Sequential& net, const std::vector<at::Tensor>& value
 }
 
 // Plain libtorch with the scaler's rules written out: the scale chain, the
-// asynchronous scale lag and (asynchronous) the one-step delay of SPEC 4.3.
+// asynchronous scale lag and (asynchronous) the one-step delay of RoundPipe::step.
 Trace reference(torch::nn::Sequential theta, const Data& d, bool is_async, const std::set<int>& inf_at) {
   const GradScalerOptions o = schedule_options();
   torch::nn::Sequential view = copy_of(theta);

@@ -1,4 +1,4 @@
-// Tests for splitting inputs into microbatches and merging outputs (SPEC 5).
+// Tests for splitting inputs into microbatches and merging outputs (roundpipe/microbatch.h).
 #include <roundpipe/microbatch.h>
 
 #include <ATen/ATen.h>

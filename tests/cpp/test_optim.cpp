@@ -1,5 +1,5 @@
-// Tests of roundpipe::optim::Adam / AdamW / SGD and their SIMD kernels (SPEC
-// 4.2): parity with libtorch's optimizers (or a plain-tensor reference where
+// Tests of roundpipe::optim::Adam / AdamW / SGD and their SIMD kernels:
+// parity with libtorch's optimizers (or a plain-tensor reference where
 // libtorch 1.13 lacks an option), bitwise equality across thread counts and
 // SIMD paths, state dict round trips, errors, low-precision write-back and
 // unscale_and_check.

@@ -1,4 +1,4 @@
-// Tests for execution plan validation, to_string and default_plan (SPEC 6).
+// Tests for execution plan validation, to_string and default_plan (roundpipe/plan.h).
 #include <roundpipe/plan.h>
 
 #include <c10/util/Exception.h>

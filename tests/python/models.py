@@ -1,5 +1,5 @@
 """Test models of user-defined Python layers, and the plain PyTorch loop that
-defines what RoundPipe must compute (SPEC 4.1)."""
+defines what RoundPipe must compute (the loop of RoundPipe.forward_backward)."""
 import torch
 from torch import nn
 
@@ -80,7 +80,8 @@ def mse_loss_fn(num_microbatch):
 
 
 def reference_forward_backward(model, args, label, loss_fn, num_microbatch):
-    """SPEC 4.1's loop in plain PyTorch: returns (summed loss, merged outputs)."""
+    """RoundPipe.forward_backward's loop in plain PyTorch: returns (summed
+    loss, merged outputs)."""
     xs = torch.tensor_split(args[0], num_microbatch)
     ys = torch.tensor_split(label, num_microbatch)
     total, outs = 0.0, []

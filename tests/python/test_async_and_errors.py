@@ -1,5 +1,6 @@
-"""The asynchronous step's exact one-step delay (SPEC 4.3), warm-up steps,
-errors from user code keeping their Python class (SPEC 7), and the GIL being
+"""The asynchronous step's exact one-step delay (docs/guide.md,
+"3. A training loop"), warm-up steps, errors from user code keeping their
+Python class (docs/python.md, "How Python code runs"), and the GIL being
 released while the engine works."""
 import copy
 import threading

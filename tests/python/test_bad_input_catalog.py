@@ -1,8 +1,8 @@
-"""Bad-input catalog (SPEC 7): every public entry point, each invalid
-argument, gets a clear error of the right type whose message says what was
-wrong; nothing crashes or hangs, and the model's state (parameters,
-gradients, optimizer copies) is exactly as before. The model still trains
-afterwards."""
+"""Bad-input catalog (docs/guide.md, "6b. Reliability checks"): every public
+entry point, each invalid argument, gets a clear error of the right type whose
+message says what was wrong; nothing crashes or hangs, and the model's state
+(parameters, gradients, optimizer copies) is exactly as before. The model
+still trains afterwards."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""RoundPipe equals plain PyTorch doing the same math (SPEC 7): losses,
+"""RoundPipe equals plain PyTorch doing the same math: losses,
 gradients, buffers and parameters after several steps, with user-defined
 Python layers passing tuples and dicts, buffers updated in forward and a
 parameter tied across layers."""

@@ -1,7 +1,8 @@
-"""Models without a preset (roundpipe.auto, SPEC 4.8): the module tree split
-into pipelined parts by parameter size, against the unwrapped model: a tiny
-GPT-2 (tied embeddings stay between the parts) and a nested model of our own;
-outputs, losses and every parameter after three steps, names unchanged."""
+"""Models without a preset (roundpipe.auto; docs/hf.md, "Other models"):
+the module tree split into pipelined parts by parameter size, against the
+unwrapped model: a tiny GPT-2 (tied embeddings stay between the parts) and a
+nested model of our own; outputs, losses and every parameter after three
+steps, names unchanged."""
 import copy
 import warnings
 
@@ -115,7 +116,7 @@ def test_nested_parts_keep_their_places_and_train_as_plain_pytorch():
         loss_fn = lambda out, t: nn.functional.mse_loss(out, t, reduction="sum")  # noqa: E731
         loss, out = model.forward_backward((x,), label=y, loss_fn=loss_fn, return_outputs=True)
         assert out.shape == (9, 2)
-        # The batch split as the model splits it (SPEC 7): the same sums of
+        # The batch split as the model splits it: the same sums of
         # microbatch gradients, not a full-batch gradient rounded otherwise.
         ref_loss = 0
         for xs, ys in zip(x.chunk(3), y.chunk(3)):

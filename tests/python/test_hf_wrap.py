@@ -1,4 +1,4 @@
-"""wrap_model_to_roundpipe against transformers (SPEC 4.8): on tiny random
+"""wrap_model_to_roundpipe against transformers (docs/hf.md): on tiny random
 models of the four families, in processes with 1 and 3 CPU devices, the
 logits, the loss (padding; whole-batch mean and num_items_in_batch over
 microbatches; the load-balancing loss of the MoE families), every gradient,
@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent('''
         worst["loss (num_items_in_batch)"] = worst["every gradient"] = 0.0
         for step in range(3):
             loss = model.forward_backward(input_kwargs=kwargs, loss_fn=lambda o, _: o.loss)
-            # The reference: forward_backward's definition (SPEC 4.1), each
+            # The reference: the loop that defines forward_backward, each
             # microbatch through transformers; for the dense families also
             # the whole batch at once.
             ref_loss = 0.0

@@ -1,7 +1,8 @@
 """Ctrl-C (SIGINT, a real signal) during forward, forward_backward, step,
 synchronize and save_checkpoint raises KeyboardInterrupt within a second;
-nothing is half-applied and the model is usable afterwards (SPEC 7). Run in a
-subprocess, whose signal handling pytest does not touch."""
+nothing is half-applied and the model is usable afterwards (docs/guide.md,
+"6. Errors"). Run in a subprocess, whose signal handling pytest does not
+touch."""
 import json
 import os
 import subprocess

@@ -1,5 +1,6 @@
-"""Bitwise device-count invariance (SPEC 7): the same training, dropout on,
-in separate processes with ROUNDPIPE_DEVICES=cpu:1, cpu:2, cpu:4."""
+"""Bitwise device-count invariance (with a fixed num_microbatch, results do
+not depend on the number of devices): the same training, dropout on, in
+separate processes with ROUNDPIPE_DEVICES=cpu:1, cpu:2, cpu:4."""
 import os
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""roundpipe.optim.Adam/AdamW/SGD against torch.optim (SPEC 4.2): same
+"""roundpipe.optim.Adam/AdamW/SGD against torch.optim: same
 trajectories over the option grid (relative 1e-6 after 10 steps), state
 dicts loadable both ways, clear errors."""
 import itertools

@@ -1,7 +1,7 @@
-"""Iteration overlap with buffers (SPEC 4.3): the Hugging Face presets (whose
-rotary embedding holds a constant buffer), BatchNorm in train mode and a
-counter buffer train bitwise as without overlap, on 1 and 3 CPU devices with
-copies 200 us late (NaN until their fence)."""
+"""Iteration overlap with buffers (docs/guide.md, "3. A training loop"): the
+Hugging Face presets (whose rotary embedding holds a constant buffer),
+BatchNorm in train mode and a counter buffer train bitwise as without overlap,
+on 1 and 3 CPU devices with copies 200 us late (NaN until their fence)."""
 import os
 import subprocess
 import sys

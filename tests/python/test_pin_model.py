@@ -1,7 +1,7 @@
-"""pin_model (SPEC 4.1): "alloc" copies the parameters into the engine's
-arenas; "register" and "off" leave them where they are, so weights memory-
-mapped from a safetensors file train without a host copy. All three give
-the same results, bit for bit."""
+"""pin_model (docs/guide.md, "Where the host parameters live"): "alloc" copies
+the parameters into the engine's arenas; "register" and "off" leave them where
+they are, so weights memory-mapped from a safetensors file train without a
+host copy. All three give the same results, bit for bit."""
 import copy
 
 import pytest

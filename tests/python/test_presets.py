@@ -1,4 +1,4 @@
-"""Presets (SPEC 4.7) against an independent plain-PyTorch implementation of
+"""Presets (roundpipe.presets) against an independent plain-PyTorch implementation of
 the same architectures (reference_decoder.py): logits, loss and every
 gradient, fp32, relative 1e-5, on cpu:1 and cpu:3; Hugging Face weight
 loading; the layers behave as nn.Modules."""

@@ -1,13 +1,13 @@
 """Hugging Face Trainer and TRL's SFTTrainer with roundpipe underneath
-(roundpipe.integrations.transformers, SPEC 4.9), against the same trainers
-without roundpipe on tiny random Llama and Qwen3 models (CPU devices, fp32):
-synchronous steps equal plain Trainer (losses, grad norms, learning rates,
-final parameters, evaluation and prediction; 1e-5 relative) with gradient
-accumulation, warm-up + cosine schedule, weight decay and clipping; the
-default asynchronous step equals plain Trainer with the one-step delay
-applied; SFTTrainer with packing off and on; a peft LoRA model; checkpoints
-in Trainer's format, resume_from_checkpoint and load_best_model_at_end; a
-failing step raised by train(); refused arguments."""
+(roundpipe.integrations.transformers; docs/hf.md, "With Trainer"), against the
+same trainers without roundpipe on tiny random Llama and Qwen3 models (CPU
+devices, fp32): synchronous steps equal plain Trainer (losses, grad norms,
+learning rates, final parameters, evaluation and prediction; 1e-5 relative)
+with gradient accumulation, warm-up + cosine schedule, weight decay and
+clipping; the default asynchronous step equals plain Trainer with the one-step
+delay applied; SFTTrainer with packing off and on; a peft LoRA model;
+checkpoints in Trainer's format, resume_from_checkpoint and
+load_best_model_at_end; a failing step raised by train(); refused arguments."""
 import os
 import subprocess
 import sys
@@ -128,9 +128,9 @@ def test_synchronous_steps_equal_plain_trainer(tmp_path, family):
 class OneStepDelay:
     """A plain trainer whose optimizer updates copies of the parameters, and
     whose model holds the copies from before the latest step: the batches
-    after step k run at θ_{k-1} and their gradients update θ_k (SPEC 4.3, as
-    test_async_and_errors.reference_delayed). ``newest[k - 1]`` is θ_k, by
-    parameter name."""
+    after step k run at θ_{k-1} and their gradients update θ_k (the one-step
+    delay, as test_async_and_errors.reference_delayed). ``newest[k - 1]`` is
+    θ_k, by parameter name."""
 
     def create_optimizer(self, model=None):
         super().create_optimizer(model)

@@ -1,5 +1,5 @@
 // roundpipe::optim::Adam and AdamW: vectorized CPU drop-ins for
-// torch::optim::Adam / AdamW (SPEC 4.2).
+// torch::optim::Adam / AdamW.
 //
 // Same update as torch.optim.Adam (PyTorch's single-tensor implementation,
 // same order of operations; results agree within 1e-6 relative after 10

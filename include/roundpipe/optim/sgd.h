@@ -1,5 +1,5 @@
-// roundpipe::optim::SGD: a vectorized CPU drop-in for torch::optim::SGD
-// (SPEC 4.2), with torch.optim.SGD's `maximize` added.
+// roundpipe::optim::SGD: a vectorized CPU drop-in for torch::optim::SGD,
+// with torch.optim.SGD's `maximize` added.
 //
 // Same update as torch.optim.SGD (single-tensor implementation, same order of
 // operations), in one fused pass over memory per parameter, explicit SIMD

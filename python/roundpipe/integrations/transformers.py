@@ -1,5 +1,5 @@
 """Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` with roundpipe underneath
-(SPEC 4.9).
+(docs/hf.md, "With Trainer").
 
 Replace the trainer class, keep the rest of the script::
 
@@ -14,7 +14,7 @@ weights stay in host memory and are the wrapped model's master copy. Each of
 Trainer's optimizer steps is a ``forward_backward`` per accumulated batch and
 one ``step`` whose ``step_fn`` clips to ``max_grad_norm``, steps the
 optimizer and the scheduler and zeroes the gradients on roundpipe's optimizer
-thread (asynchronous by default: the one-step delay of SPEC 4.3).
+thread (asynchronous by default: the one-step delay of ``RoundPipe.step``).
 Evaluation, prediction, logging, callbacks, checkpoints and
 ``resume_from_checkpoint`` work as with Trainer. Arguments roundpipe cannot
 honour (``deepspeed``, ``fsdp``, ``fp16``, ...) raise a ValueError naming them.
@@ -49,7 +49,8 @@ class RoundPipeConfig:
     """How a RoundPipe trainer runs the model.
 
     - ``is_async``: the optimizer step runs on the optimizer thread while the
-      next batch computes (default ``True``; the one-step delay of SPEC 4.3).
+      next batch computes (default ``True``; the one-step delay of
+      ``RoundPipe.step``).
       ``False``: every step waits, and training equals plain Trainer.
     - ``num_microbatch``: microbatches per batch (default: devices + 1).
     - ``optim_dtype``: dtype of the optimizer copies (e.g. ``torch.float32``
