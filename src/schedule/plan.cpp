@@ -15,92 +15,96 @@ namespace roundpipe {
 namespace {
 
 // Python-style spelling, so messages read like the Python API's plans.
-std::string Str(const LayerRange& r) {
+std::string range_str(const LayerRange& r) {
   std::ostringstream os;
   os << "range(" << r.begin << ", " << r.end << ")";
   return os.str();
 }
 
-std::string Str(const std::vector<LayerRange>& rs) {
+std::string range_str(const std::vector<LayerRange>& rs) {
   std::string s = "[";
-  for (size_t i = 0; i < rs.size(); ++i) s += (i ? ", " : "") + Str(rs[i]);
+  for (size_t i = 0; i < rs.size(); ++i) s += (i ? ", " : "") + range_str(rs[i]);
   return s + "]";
 }
 
 // "layer 3 is" or "layers range(2, 5) are": the layers in [begin, end).
-std::string LayersAre(int64_t begin, int64_t end) {
+std::string layers_are(int64_t begin, int64_t end) {
   if (end - begin == 1) return "layer " + std::to_string(begin) + " is";
-  return "layers " + Str(LayerRange{begin, end}) + " are";
+  return "layers " + range_str(LayerRange{begin, end}) + " are";
 }
 
-void CheckRangesInModel(const std::vector<LayerRange>& rs, const char* which, int64_t num_layers) {
+void check_ranges_in_model(const std::vector<LayerRange>& rs, const char* which,
+                           int64_t num_layers) {
   for (const LayerRange& r : rs) {
-    TORCH_CHECK_VALUE(r.begin < r.end, which, " ranges must be non-empty: ", Str(r),
+    TORCH_CHECK_VALUE(r.begin < r.end, which, " ranges must be non-empty: ", range_str(r),
                       " holds no layer (begin must be < end)");
     TORCH_CHECK_VALUE(r.begin >= 0 && r.end <= num_layers, which, " ranges must lie inside the ",
-                      num_layers, " layers of the model ", Str(LayerRange{0, num_layers}), ": ",
-                      Str(r), " does not");
+                      num_layers, " layers of the model ", range_str(LayerRange{0, num_layers}),
+                      ": ", range_str(r), " does not");
   }
 }
 
 // Forward: ascending, contiguous from layer 0 (the end is checked per kind).
-void CheckForwardShape(const std::vector<LayerRange>& fwd) {
+void check_forward_shape(const std::vector<LayerRange>& fwd) {
   if (fwd.empty()) return;
   TORCH_CHECK_VALUE(fwd[0].begin == 0, "forward ranges must start at layer 0: the first is ",
-                    Str(fwd[0]), "; add ", Str(LayerRange{0, fwd[0].begin}), " before it");
+                    range_str(fwd[0]), "; add ", range_str(LayerRange{0, fwd[0].begin}),
+                    " before it");
   for (size_t i = 0; i + 1 < fwd.size(); ++i) {
     const LayerRange& a = fwd[i];
     const LayerRange& b = fwd[i + 1];
-    TORCH_CHECK_VALUE(b.begin <= a.end, "forward ranges must be contiguous: gap between ", Str(a),
-                      " and ", Str(b), ", ", LayersAre(a.end, b.begin), " in no range");
-    TORCH_CHECK_VALUE(b.end > a.begin, "forward ranges must be ascending: ", Str(a),
-                      " is listed before ", Str(b));
+    TORCH_CHECK_VALUE(b.begin <= a.end, "forward ranges must be contiguous: gap between ",
+                      range_str(a), " and ", range_str(b), ", ", layers_are(a.end, b.begin),
+                      " in no range");
+    TORCH_CHECK_VALUE(b.end > a.begin, "forward ranges must be ascending: ", range_str(a),
+                      " is listed before ", range_str(b));
     TORCH_CHECK_VALUE(b.begin == a.end, "forward ranges must not overlap: ",
-                      LayersAre(std::max(a.begin, b.begin), std::min(a.end, b.end)), " in both ",
-                      Str(a), " and ", Str(b));
+                      layers_are(std::max(a.begin, b.begin), std::min(a.end, b.end)), " in both ",
+                      range_str(a), " and ", range_str(b));
   }
 }
 
 // Backward: deepest first, together covering every layer exactly once.
-void CheckBackwardShape(const std::vector<LayerRange>& bwd, int64_t num_layers, RunKind kind) {
+void check_backward_shape(const std::vector<LayerRange>& bwd, int64_t num_layers, RunKind kind) {
   const LayerRange& first = bwd.front();
   const bool first_is_deepest = first.end == num_layers;
   // An ascending list is the likely mistake; say so rather than "gap".
   TORCH_CHECK_VALUE(first_is_deepest || bwd.size() < 2 || bwd[1].begin < first.end,
-                    "backward ranges must be listed deepest first: ", Str(first),
-                    " is listed before ", Str(bwd[1]), "; reverse the list");
+                    "backward ranges must be listed deepest first: ", range_str(first),
+                    " is listed before ", range_str(bwd[1]), "; reverse the list");
   TORCH_CHECK_VALUE(first_is_deepest || kind != RunKind::kFused,
                     "the fused stage (the first backward range) must end at the last layer: it is ",
-                    Str(first), " but the model has ", num_layers, " layers");
+                    range_str(first), " but the model has ", num_layers, " layers");
   TORCH_CHECK_VALUE(first_is_deepest,
                     "backward ranges must be listed deepest first, so the first must end at the "
                     "last layer: it is ",
-                    Str(first), " but the model has ", num_layers, " layers (",
-                    LayersAre(first.end, num_layers), " in no range)");
+                    range_str(first), " but the model has ", num_layers, " layers (",
+                    layers_are(first.end, num_layers), " in no range)");
   for (size_t i = 0; i + 1 < bwd.size(); ++i) {
     const LayerRange& a = bwd[i];  // deeper
     const LayerRange& b = bwd[i + 1];
-    TORCH_CHECK_VALUE(b.end >= a.begin,
-                      "backward ranges must cover every layer exactly once: gap between ", Str(b),
-                      " and ", Str(a), ", ", LayersAre(b.end, a.begin), " in no range");
-    TORCH_CHECK_VALUE(b.begin < a.end, "backward ranges must be listed deepest first: ", Str(a),
-                      " is listed before ", Str(b));
+    TORCH_CHECK_VALUE(
+        b.end >= a.begin, "backward ranges must cover every layer exactly once: gap between ",
+        range_str(b), " and ", range_str(a), ", ", layers_are(b.end, a.begin), " in no range");
+    TORCH_CHECK_VALUE(b.begin < a.end,
+                      "backward ranges must be listed deepest first: ", range_str(a),
+                      " is listed before ", range_str(b));
     TORCH_CHECK_VALUE(b.end == a.begin, "backward ranges must cover every layer exactly once: ",
-                      LayersAre(std::max(a.begin, b.begin), std::min(a.end, b.end)), " in both ",
-                      Str(b), " and ", Str(a));
+                      layers_are(std::max(a.begin, b.begin), std::min(a.end, b.end)), " in both ",
+                      range_str(b), " and ", range_str(a));
   }
   const LayerRange& last = bwd.back();
   TORCH_CHECK_VALUE(last.begin == 0, "backward ranges must cover every layer exactly once: ",
-                    LayersAre(0, last.begin), " in no range; the last (shallowest) range ",
-                    Str(last), " must begin at layer 0");
+                    layers_are(0, last.begin), " in no range; the last (shallowest) range ",
+                    range_str(last), " must begin at layer 0");
 }
 
 // Splits layers [begin, end) into `stages` contiguous non-empty ranges of
 // similar byte size: each cut is the prefix sum closest to k/stages of the
 // total, ties broken toward an even layer count (so all-zero bytes split by
 // count). Cuts are bounded so that every later range keeps at least one layer.
-std::vector<LayerRange> Partition(const std::vector<int64_t>& bytes, int64_t begin, int64_t end,
-                                  int64_t stages) {
+std::vector<LayerRange> partition_by_bytes(const std::vector<int64_t>& bytes, int64_t begin,
+                                           int64_t end, int64_t stages) {
   const int64_t n = end - begin;
   std::vector<double> prefix(n + 1, 0.0);
   for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + static_cast<double>(bytes[begin + i]);
@@ -132,48 +136,48 @@ std::vector<LayerRange> Partition(const std::vector<int64_t>& bytes, int64_t beg
 void ModelExecutePlan::validate(int64_t num_layers, RunKind kind) const {
   TORCH_CHECK_VALUE(num_layers >= 1,
                     "ModelExecutePlan::validate: a model must have at least 1 layer, got num_layers=", num_layers);
-  CheckRangesInModel(fwd_plan, "forward", num_layers);
-  CheckRangesInModel(bwd_plan, "backward", num_layers);
-  CheckForwardShape(fwd_plan);
+  check_ranges_in_model(fwd_plan, "forward", num_layers);
+  check_ranges_in_model(bwd_plan, "backward", num_layers);
+  check_forward_shape(fwd_plan);
 
   const LayerRange all{0, num_layers};
   if (kind != RunKind::kFused) {
     TORCH_CHECK_VALUE(!fwd_plan.empty(), "the forward plan is empty: it must cover every layer ",
-                      Str(all));
+                      range_str(all));
     TORCH_CHECK_VALUE(fwd_plan.back().end == num_layers,
                       "forward ranges must end at the last layer: the last is ",
-                      Str(fwd_plan.back()), "; add ",
-                      Str(LayerRange{fwd_plan.back().end, num_layers}));
+                      range_str(fwd_plan.back()), "; add ",
+                      range_str(LayerRange{fwd_plan.back().end, num_layers}));
   }
 
   // Inference ignores the backward plan, but one that is given must be valid.
   if (kind == RunKind::kInfer && bwd_plan.empty()) return;
   TORCH_CHECK_VALUE(!bwd_plan.empty(), "the backward plan is empty: ",
                     kind == RunKind::kFused ? "forward_backward()" : "training",
-                    " needs backward ranges covering ", Str(all), ", listed deepest first");
-  CheckBackwardShape(bwd_plan, num_layers, kind);
+                    " needs backward ranges covering ", range_str(all), ", listed deepest first");
+  check_backward_shape(bwd_plan, num_layers, kind);
 
   if (kind == RunKind::kFused) {
     const LayerRange& fused = bwd_plan.front();
     TORCH_CHECK_VALUE(!fwd_plan.empty() || fused.begin == 0,
                       "the forward plan must end exactly where the fused stage begins: the forward "
                       "plan is empty but the fused stage is ",
-                      Str(fused), "; add forward ranges covering ",
-                      Str(LayerRange{0, fused.begin}));
+                      range_str(fused), "; add forward ranges covering ",
+                      range_str(LayerRange{0, fused.begin}));
     if (!fwd_plan.empty()) {
       TORCH_CHECK_VALUE(fwd_plan.back().end == fused.begin,
                         "the forward plan must end exactly where the fused stage begins: the last "
                         "forward range ",
-                        Str(fwd_plan.back()), " ends at layer ", fwd_plan.back().end,
-                        " but the fused stage ", Str(fused), " begins at layer ", fused.begin,
-                        "; make the forward ranges cover ", Str(LayerRange{0, fused.begin}),
+                        range_str(fwd_plan.back()), " ends at layer ", fwd_plan.back().end,
+                        " but the fused stage ", range_str(fused), " begins at layer ", fused.begin,
+                        "; make the forward ranges cover ", range_str(LayerRange{0, fused.begin}),
                         " and nothing more");
     }
   }
 }
 
 std::string ModelExecutePlan::to_string() const {
-  return "fwd " + Str(fwd_plan) + " bwd " + Str(bwd_plan);
+  return "fwd " + range_str(fwd_plan) + " bwd " + range_str(bwd_plan);
 }
 
 ModelExecutePlan default_plan(const std::vector<int64_t>& layer_bytes, int64_t num_devices,
@@ -195,16 +199,16 @@ ModelExecutePlan default_plan(const std::vector<int64_t>& layer_bytes, int64_t n
 
   ModelExecutePlan plan;
   if (kind != RunKind::kInfer) {
-    plan.bwd_plan = Partition(layer_bytes, 0, num_layers, bwd_stages);
+    plan.bwd_plan = partition_by_bytes(layer_bytes, 0, num_layers, bwd_stages);
     std::reverse(plan.bwd_plan.begin(), plan.bwd_plan.end());  // deepest first
   }
   if (kind == RunKind::kFused) {
     // The fused stage is the deepest backward stage; forward stops where it begins.
     const int64_t fwd_end = plan.bwd_plan.front().begin;
     const int64_t stages = std::min(fwd_end, 2 * std::min(num_devices, fwd_end));
-    if (stages > 0) plan.fwd_plan = Partition(layer_bytes, 0, fwd_end, stages);
+    if (stages > 0) plan.fwd_plan = partition_by_bytes(layer_bytes, 0, fwd_end, stages);
   } else {
-    plan.fwd_plan = Partition(layer_bytes, 0, num_layers, fwd_stages);
+    plan.fwd_plan = partition_by_bytes(layer_bytes, 0, num_layers, fwd_stages);
   }
   return plan;
 }

@@ -20,20 +20,20 @@ struct Lengths {
   bool operator==(const Lengths& o) const { return fwd == o.fwd && bwd == o.bwd; }
 };
 
-int64_t Sum(const std::vector<int64_t>& v) {
+int64_t total_layers(const std::vector<int64_t>& v) {
   int64_t s = 0;
   for (int64_t x : v) s += x;
   return s;
 }
 
-Lengths ToLengths(const ModelExecutePlan& plan) {
+Lengths to_lengths(const ModelExecutePlan& plan) {
   Lengths l;
   for (const LayerRange& r : plan.fwd_plan) l.fwd.push_back(r.end - r.begin);
   for (size_t i = 1; i < plan.bwd_plan.size(); ++i) l.bwd.push_back(plan.bwd_plan[i].end - plan.bwd_plan[i].begin);
   return l;
 }
 
-ModelExecutePlan ToPlan(const Lengths& l, int64_t num_layers) {
+ModelExecutePlan to_plan(const Lengths& l, int64_t num_layers) {
   ModelExecutePlan plan;
   int64_t at = 0;
   for (int64_t n : l.fwd) {
@@ -89,8 +89,8 @@ class Search {
   }
 
   bool valid(const Lengths& l) const {
-    const int64_t n = c_.num_layers(), f = Sum(l.fwd);
-    if (l.fwd.empty() || f >= n || Sum(l.bwd) != f) return false;
+    const int64_t n = c_.num_layers(), f = total_layers(l.fwd);
+    if (l.fwd.empty() || f >= n || total_layers(l.bwd) != f) return false;
     if (static_cast<int64_t>(l.fwd.size() + 1 + l.bwd.size()) < min_stages_) return false;
     for (const auto* pass : {&l.fwd, &l.bwd}) {
       for (int64_t x : *pass) {
@@ -98,7 +98,7 @@ class Search {
       }
     }
     if (o_.model_memory_limit_bytes > 0) {
-      const ModelExecutePlan plan = ToPlan(l, n);
+      const ModelExecutePlan plan = to_plan(l, n);
       for (const auto* ranges : {&plan.fwd_plan, &plan.bwd_plan}) {
         for (const LayerRange& r : *ranges) {
           int64_t bytes = 0;
@@ -121,7 +121,7 @@ class Search {
   }
 
   double simulate(const LayerCosts& costs, const Lengths& l) const {
-    const SimResult r = simulate_roundpipe(costs, ToPlan(l, c_.num_layers()), sim_);
+    const SimResult r = simulate_roundpipe(costs, to_plan(l, c_.num_layers()), sim_);
     return o_.overlap ? r.iteration_ms : r.single_iteration_ms;
   }
 
@@ -165,9 +165,9 @@ class Search {
 
   // The plan's budget filled along the chain (see plan_search.h).
   Lengths greedy(const Lengths& start) const {
-    const ModelExecutePlan plan = ToPlan(start, c_.num_layers());
+    const ModelExecutePlan plan = to_plan(start, c_.num_layers());
     const double budget = worst_stage_ms(plan, c_, RunKind::kFused);
-    const int64_t f = Sum(start.fwd);
+    const int64_t f = total_layers(start.fwd);
     Lengths l;
     auto fill = [&](std::vector<int64_t>& out, bool forward) {
       std::vector<double> times;  // [stage] along the chain
@@ -291,7 +291,7 @@ PlanSearchResult search_fused_plan(const LayerCosts& costs, const ModelExecutePl
                     options.max_simulations);
   worst_stage_ms(start, costs, RunKind::kFused);  // validates the costs and the plan
   Search search(costs, options);
-  const Lengths given = ToLengths(start);
+  const Lengths given = to_lengths(start);
   PlanSearchResult result;
   result.start_ms = search.score(given);
   // A quarter of the budget for each start, the rest for kicks.
@@ -307,7 +307,7 @@ PlanSearchResult search_fused_plan(const LayerCosts& costs, const ModelExecutePl
     pick = given;
     result.best_ms = result.start_ms;
   }
-  result.plan = ToPlan(pick, costs.num_layers());
+  result.plan = to_plan(pick, costs.num_layers());
   result.simulations = search.simulations();
   return result;
 }

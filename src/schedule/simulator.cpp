@@ -121,12 +121,12 @@ class EventEngine {
 };
 
 // Microbatches per second.
-double Throughput(int64_t microbatches, double ms) {
+double throughput(int64_t microbatches, double ms) {
   return ms > 0 ? 1e3 * static_cast<double>(microbatches) / ms : 0.0;
 }
 
 // Idle fraction of `devices` devices' time over `ms`, given their compute time.
-double Bubble(double busy, int64_t devices, double ms) {
+double bubble(double busy, int64_t devices, double ms) {
   return ms > 0 ? 1.0 - busy / (static_cast<double>(devices) * ms) : 0.0;
 }
 
@@ -250,9 +250,9 @@ class Timeline {
       if (is_compute(id)) r.busy_ms[events_[id].device] += engine_.task(id).dur;
     }
     r.single_iteration_ms = r.iteration_ms = r.makespan_ms;
-    r.single_throughput = r.throughput = Throughput(num_microbatch, r.makespan_ms);
+    r.single_throughput = r.throughput = throughput(num_microbatch, r.makespan_ms);
     r.single_bubble = r.bubble =
-        Bubble(busy_between(0, r.makespan_ms), num_devices_, r.makespan_ms);
+        bubble(busy_between(0, r.makespan_ms), num_devices_, r.makespan_ms);
     for (int id = 0; id < size(); ++id) {
       if (shown_[id]) r.events.push_back(events_[id]);
     }
@@ -299,13 +299,13 @@ struct Value {
 };
 
 // The calls of one iteration.
-std::vector<CallKind> CallsOf(RunKind kind) {
+std::vector<CallKind> calls_of(RunKind kind) {
   if (kind == RunKind::kFused) return {CallKind::kFused};
   if (kind == RunKind::kTrain) return {CallKind::kForward, CallKind::kBackward};
   return {CallKind::kForward};
 }
 
-std::string Str(const LayerRange& r) {
+std::string range_str(const LayerRange& r) {
   return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
 }
 
@@ -368,7 +368,7 @@ class RoundPipeSim {
       previous_uploads_ = last_uploads_;
       last_uploads_.assign(c_.num_layers(), kNone);
     }
-    for (CallKind kind : CallsOf(o_.run_kind)) {
+    for (CallKind kind : calls_of(o_.run_kind)) {
       CallState call;
       call.kind = kind;
       call.jobs = make_jobs(plan_, kind);
@@ -400,7 +400,7 @@ class RoundPipeSim {
     }
   }
 
-  TraceEvent Describe(const JobSpec& job, const char* kind, std::string name, LayerRange layers,
+  TraceEvent describe(const JobSpec& job, const char* kind, std::string name, LayerRange layers,
                       int64_t microbatch) const {
     TraceEvent e;
     e.kind = kind;
@@ -415,7 +415,7 @@ class RoundPipeSim {
     return e;
   }
 
-  static std::string Tag(const JobSpec& job) {
+  static std::string job_tag(const JobSpec& job) {
     return std::string(job_kind_name(job.kind)).substr(0, 3) + " s" + std::to_string(job.stage);
   }
 
@@ -467,7 +467,7 @@ class RoundPipeSim {
     const JobSpec& job = call.jobs[j];
     const int64_t d = job.device;
     const LayerRange r = job.layers;
-    const std::string tag = Tag(job);
+    const std::string tag = job_tag(job);
     const int64_t next = j + 1 < call.jobs.size() ? call.jobs[j + 1].device : -1;
     std::vector<int>& task = call.task[j];
     auto task_of = [&](const OpRef& ref) { return call.task[ref.job][ref.index]; };
@@ -504,7 +504,8 @@ class RoundPipeSim {
           }
           if (bytes > 0) {
             t = tl_.transfer(d, TraceLane::kParamUpload, bytes, task_of(op.after.at(0)), host_[d],
-                             Describe(owner, "upload", "params " + Tag(owner) + " " + Str(owner.layers),
+                             describe(owner, "upload",
+                                      "params " + job_tag(owner) + " " + range_str(owner.layers),
                                       owner.layers, -1));
             for (int w : written) tl_.depend(t, w);
           } else {  // free parameters are still the optimizer's output
@@ -517,10 +518,11 @@ class RoundPipeSim {
         }
         case OpKind::kUploadInput: {
           const Value& in = j == 0 ? call.in[m] : call.out[j - 1][m];
-          inputs[m].push_back(to_device(d, in, Describe(job, "handoff", "in " + tag + mb, r, m)));
+          inputs[m].push_back(to_device(d, in, describe(job, "handoff", "in " + tag + mb, r, m)));
           if (job.kind == JobKind::kBackward) {
-            inputs[m].push_back(to_device(d, iter.saved.at(r.begin)[m],
-                                          Describe(job, "handoff", "saved input " + tag + mb, r, m)));
+            inputs[m].push_back(
+                to_device(d, iter.saved.at(r.begin)[m],
+                          describe(job, "handoff", "saved input " + tag + mb, r, m)));
           }
           t = inputs[m].back();
           break;
@@ -537,7 +539,7 @@ class RoundPipeSim {
               if (l > begin && (l == r.end || call.saves[l])) {
                 const LayerRange seg{begin, l};
                 t = compute(d, sum(c_.fwd_ms, nullptr, seg), deps,
-                            Describe(job, "compute", tag + mb + " " + Str(seg), seg, m));
+                            describe(job, "compute", tag + mb + " " + range_str(seg), seg, m));
                 deps = {t};
                 begin = l;
               }
@@ -545,14 +547,15 @@ class RoundPipeSim {
                 iter.saved[l].resize(o_.num_microbatch);
                 iter.saved[l][m] =
                     l == 0 ? (j == 0 ? call.in[m] : call.out[j - 1][m])
-                           : hand_off(d, t, act(l - 1), -1,
-                                      Describe(job, "handoff", "save L" + std::to_string(l) + mb, r, m));
+                           : hand_off(
+                                 d, t, act(l - 1), -1,
+                                 describe(job, "handoff", "save L" + std::to_string(l) + mb, r, m));
               }
             }
           } else {
             const double ms = job.kind == JobKind::kBackward ? sum(c_.recompute_ms, &c_.bwd_ms, r)
                                                              : sum(c_.fwd_ms, &c_.bwd_ms, r);
-            t = compute(d, ms, deps, Describe(job, "compute", tag + mb, r, m));
+            t = compute(d, ms, deps, describe(job, "compute", tag + mb, r, m));
           }
           last_compute = t;
           if (job.kind == JobKind::kFused && m == o_.num_microbatch - 1) losses_known_ = t;
@@ -567,13 +570,13 @@ class RoundPipeSim {
           }
           const char* what = job.kind == JobKind::kForward ? "out " : "grad ";
           call.out[j][m] = hand_off(d, task_of(op.after.at(0)), bytes, next,
-                                    Describe(job, "handoff", what + tag + mb, r, m));
+                                    describe(job, "handoff", what + tag + mb, r, m));
           t = call.out[j][m].task;
           break;
         }
         case OpKind::kDownloadGrads:
           t = tl_.transfer(d, TraceLane::kDownload, param_bytes(r), last_compute, host_[d],
-                           Describe(job, "download", "grads " + tag, r, -1));
+                           describe(job, "download", "grads " + tag, r, -1));
           iter.grads.push_back(t);
           break;
         case OpKind::kDownloadBuffers:  // buffers are not modeled
@@ -608,7 +611,7 @@ class RoundPipeSim {
   int64_t call_ = 0;
 };
 
-void CheckOptions(const SimOptions& o) {
+void check_options(const SimOptions& o) {
   TORCH_CHECK_VALUE(o.num_devices >= 1, "simulator: num_devices must be >= 1, got ", o.num_devices);
   TORCH_CHECK_VALUE(o.num_microbatch >= 1, "simulator: num_microbatch must be >= 1, got ",
                     o.num_microbatch);
@@ -630,7 +633,7 @@ void CheckOptions(const SimOptions& o) {
                     " (measured_iterations 0 picks a count)");
 }
 
-void CheckCosts(const StageCosts& s, int64_t num_microbatch, double link_gbps) {
+void check_costs(const StageCosts& s, int64_t num_microbatch, double link_gbps) {
   const size_t p = s.fwd_ms.size();
   TORCH_CHECK_VALUE(p >= 1, "simulate_pipeline: no stage; fwd_ms needs one entry per stage");
   TORCH_CHECK_VALUE(s.bwd_ms.size() == p && (s.output_bytes.empty() || s.output_bytes.size() == p),
@@ -681,12 +684,12 @@ void assign_devices(Dispatcher& dispatcher, std::vector<JobSpec>& jobs, const La
 
 SimResult simulate_roundpipe(const LayerCosts& costs, const ModelExecutePlan& plan,
                              const SimOptions& options) {
-  CheckOptions(options);
+  check_options(options);
   worst_stage_ms(plan, costs, options.run_kind);  // validates the costs and the plan
 
   // The round-robin period: iterations until every job is on its device again.
   int64_t jobs = 0;
-  for (CallKind kind : CallsOf(options.run_kind)) {
+  for (CallKind kind : calls_of(options.run_kind)) {
     jobs += static_cast<int64_t>(make_jobs(plan, kind).size());
   }
   const int64_t period = options.num_devices / std::gcd(jobs, options.num_devices);
@@ -709,8 +712,8 @@ SimResult simulate_roundpipe(const LayerCosts& costs, const ModelExecutePlan& pl
                     ", so they span no time; measure a multiple of the round-robin period (",
                     period, " iterations here), or set measured_iterations to 0 to pick one");
   r.iteration_ms = (to - from) / static_cast<double>(n);
-  r.throughput = Throughput(options.num_microbatch, r.iteration_ms);
-  r.bubble = Bubble(tl.busy_between(from, to), options.num_devices, to - from);
+  r.throughput = throughput(options.num_microbatch, r.iteration_ms);
+  r.bubble = bubble(tl.busy_between(from, to), options.num_devices, to - from);
 
   RoundPipeSim alone(costs, plan, options);
   const SimResult one = alone.run(1).summary(options.num_microbatch);
@@ -770,7 +773,7 @@ StageCosts split_pipeline_stages(const LayerCosts& costs, int64_t num_stages, bo
 
 SimResult simulate_pipeline(PipelineSchedule schedule, const StageCosts& stages,
                             int64_t num_microbatch, double link_gbps) {
-  CheckCosts(stages, num_microbatch, link_gbps);
+  check_costs(stages, num_microbatch, link_gbps);
   const int64_t p = static_cast<int64_t>(stages.fwd_ms.size());
   const int64_t m = num_microbatch;
   auto bytes = [&](int64_t i) { return stages.output_bytes.empty() ? 0 : stages.output_bytes[i]; };
