@@ -14,7 +14,7 @@
 //   per step: next batch -> forward_backward (loss on the devices) ->
 //             step(step_fn) queued on the optimizer thread: lr of this step,
 //             [unscale], global norm + clipping, AdamW step, zero_grad.
-//   The optimizer runs one step behind (SPEC 4.3), so the gradient norm of
+//   The optimizer runs one step behind (RoundPipe::step), so the gradient norm of
 //   step k is known when step k + 1 is issued: per-step records are written
 //   to --metrics once it is.
 //
@@ -295,7 +295,7 @@ int run(const TrainOptions& o) {
     state.scaler = sc;
     load_checkpoint(o.resume, model, state);
     start_step = state.step;
-    data.train->seek(state.data_position);
+    data.train->seek(DataPosition::from_state(state.extra_state));
     resume_note = "resumed from " + o.resume + " at step " + std::to_string(start_step);
     const json saved = json::parse(state.metadata_json, nullptr, /*allow_exceptions=*/false);
     if (saved.is_object()) {
@@ -398,7 +398,7 @@ int run(const TrainOptions& o) {
     state.optimizer = &optimizer;
     state.scaler = sc;
     state.step = step;
-    state.data_position = data.train->position();
+    state.extra_state = data.train->position().to_state();
     state.metadata_json = run_config.dump();
     const std::string path = checkpoint_path(o.checkpoint, step);
     save_checkpoint(path, model,

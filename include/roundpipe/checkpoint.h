@@ -1,14 +1,14 @@
 // Checkpoints of the whole training state, resumable to a bitwise-identical
-// trajectory (SPEC 8), also on a different number of devices:
+// trajectory (docs/guide.md, "6a. Checkpoints"), also on a different number of devices:
 //
 //   roundpipe::CheckpointState state;
 //   state.optimizer = &opt;
 //   state.step = step;
-//   state.data_position = batcher.position();
+//   state.extra_state = batcher.position().to_state();   // roundpipe/token_data.h
 //   roundpipe::save_checkpoint("run/ckpt.pt", model, state);
 //   ...
 //   roundpipe::load_checkpoint("run/ckpt.pt", model, state);   // a fresh model and optimizer
-//   batcher.seek(state.data_position);
+//   batcher.seek(DataPosition::from_state(state.extra_state));
 //   for (int64_t s = state.step + 1; ...)                     // same losses as without the break
 //
 // What a checkpoint holds: the model's master parameters and buffers; the
@@ -50,11 +50,11 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include <roundpipe/grad_scaler.h>
 #include <roundpipe/model.h>
-#include <roundpipe/token_data.h>
 
 namespace roundpipe {
 
@@ -67,8 +67,10 @@ struct CheckpointState {
   GradScaler* scaler = nullptr;
   // The user's training-step counter.
   int64_t step = 0;
-  // Where the data stream stands (TokenBatcher::position()).
-  DataPosition data_position;
+  // Integers by name that the training program needs to resume where it
+  // stopped, e.g. where its data stream stands (DataPosition::to_state in
+  // roundpipe/token_data.h). Stored as given; a load replaces it.
+  std::map<std::string, int64_t> extra_state;
   // Free-form, e.g. the training program's configuration; stored as given.
   std::string metadata_json = "{}";
 };
@@ -83,7 +85,7 @@ void save_checkpoint(const std::string& path, RoundPipe& model, const Checkpoint
 // Restores a checkpoint into `model`, which must have the same architecture
 // (the same parameter and buffer names, shapes and dtypes, the same
 // optim_dtype); its device count may differ. The model takes the saved seed
-// of its random streams. Fills state.step, data_position and metadata_json;
+// of its random streams. Fills state.step, extra_state and metadata_json;
 // loads the optimizer's and the scaler's state when those are set (the
 // optimizer must be built over this model's optim_parameters(), in the same
 // order and groups as the saved one). Waits for queued work first.

@@ -29,9 +29,8 @@
 
 namespace roundpipe {
 
-class Layer;
 namespace detail {
-struct CheckpointAccess;
+struct EngineAccess;
 }  // namespace detail
 
 // loss_fn(outputs of one microbatch, label of that microbatch) -> a scalar
@@ -54,7 +53,7 @@ enum class PinMode {
   kOff,
 };
 
-// "alloc", "register", "off" (what SPEC's pin_model takes).
+// "alloc", "register", "off" (the names Python's `pin_model=` takes).
 const char* pin_mode_name(PinMode mode);
 // The mode named `name`; c10::ValueError listing the names otherwise.
 PinMode pin_mode_from_name(const std::string& name);
@@ -84,12 +83,13 @@ struct RoundPipeOptions {
   // Where the host parameters live and whether they are page-locked.
   PinMode pin_model = PinMode::kAlloc;
   // forward_backward returns at its losses while its backward stages still
-  // run, and the next call's jobs queue behind them (SPEC 4.3); results are
+  // run, and the next call's jobs queue behind them (docs/guide.md, "3. A
+  // training loop"); results are
   // bitwise those of the non-overlapped order. false: every call returns
   // when it has ended. Default: true.
   bool overlap_iterations = true;
   // The first n asynchronous steps run synchronously, then the one-step
-  // delay starts (SPEC 4.3). Default: the process-wide
+  // delay starts (step() below). Default: the process-wide
   // set_sync_warmup_steps (deprecated), 0 unless set.
   c10::optional<int64_t> sync_warmup_steps;
 
@@ -115,9 +115,6 @@ class RoundPipe {
   explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
   // Errors in the options or the layers (c10::ValueError / c10::TypeError)
   // name the model and the constructor.
-  // Wraps already-adapted layers (used by language bindings); none may be
-  // null (c10::ValueError).
-  RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options);
   ~RoundPipe();
   RoundPipe(RoundPipe&&) noexcept;
   RoundPipe& operator=(RoundPipe&&) noexcept;
@@ -237,16 +234,17 @@ class RoundPipe {
   class Impl;
 
  private:
-  friend struct detail::CheckpointAccess;  // checkpoint.h saves and restores the engine's state
+  // The engine's own files: checkpoints and the language bindings.
+  friend struct detail::EngineAccess;
+  explicit RoundPipe(std::shared_ptr<Impl> impl);
   std::shared_ptr<Impl> impl_;
 };
 
-// ModelExecutePlan.auto (SPEC 6): plans for `models`, which run one after
-// another over the same devices (chained), planned jointly from their
-// layer_costs() with auto_plan (see auto_plan.h for how). options.min_stages
-// 0 means the first model's num_devices(). One plan per model, in order.
-// Throws c10::ValueError as auto_plan does, or when `models` is empty or
-// holds a null.
+// ModelExecutePlan.auto (docs/trace.md, "Computing a plan yourself"): plans for `models`, which run
+// one after another over the same devices (chained), planned jointly from their layer_costs() with
+// auto_plan (see auto_plan.h for how). options.min_stages 0 means the first model's num_devices().
+// One plan per model, in order. Throws c10::ValueError as auto_plan does, or when `models` is empty
+// or holds a null.
 std::vector<ModelExecutePlan> auto_execute_plans(const std::vector<const RoundPipe*>& models,
                                                  AutoPlanOptions options);
 

@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -143,6 +144,14 @@ struct DataPosition {
     return seed == o.seed && epoch == o.epoch && index == o.index;
   }
   bool operator!=(const DataPosition& o) const { return !(*this == o); }
+
+  // As integers by name ("<prefix>.seed", ".epoch", ".index"), for a
+  // checkpoint's CheckpointState::extra_state (roundpipe/checkpoint.h).
+  std::map<std::string, int64_t> to_state(const std::string& prefix = "data") const;
+  // The position that to_state stored; c10::ValueError naming the key when
+  // one is missing.
+  static DataPosition from_state(const std::map<std::string, int64_t>& state,
+                                 const std::string& prefix = "data");
 };
 
 // Options of a TokenBatcher, with chained setters.

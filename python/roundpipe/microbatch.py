@@ -102,75 +102,18 @@ def _with_packed_split(args, kwargs, run_config, model_config):
 
 def _split_auto(args, kwargs, label, n):
     """The automatic split of (args, kwargs) and label into microbatches:
-    ``([(args_m, kwargs_m)], [label_m])``."""
+    ``([(args_m, kwargs_m)], [label_m])``, by the engine's own split."""
     batch = _batch_size(args, kwargs)
     if batch is not None and batch < n:
         if batch < 1:
             raise ValueError("the batch is empty (dim 0 of the first input tensor is 0)")
         warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}", stacklevel=3)
         n = batch
-
-    def pieces(v, path, check_batch):
-        if isinstance(v, _C.MicrobatchValues):  # already split: microbatch m takes item m
-            if len(v) != n:
-                raise ValueError(f"{path}: MicrobatchValues holds {len(v)} items, expected {n} microbatches")
-            return list(v)
-        rows = _rows(v)
-        if rows is None or (check_batch and batch is not None and rows != batch):
-            return [v] * n
-        if rows < n:
-            raise ValueError(f"{path}: cannot split a tensor of shape {tuple(v.shape)} along dim 0 into {n} "
-                             f"microbatches (fewer than {n} rows)")
-        return list(torch.tensor_split(v, n))
-
-    def split(value, path, check_batch):
-        leaves, spec = pytree.tree_flatten(value)
-        columns = [pieces(v, path, check_batch) for v in leaves]
-        return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(n)]
-
-    split_args = split(tuple(args), "args", False)
-    split_kwargs = [dict(zip(kwargs, values)) for values in zip(*(split(v, f"kwargs['{k}']", True)
-                                                                  for k, v in kwargs.items()))] \
-        if kwargs else [{} for _ in range(n)]
-    return list(zip(split_args, split_kwargs)), split(label, "label", False)
-
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.device == b.device and a.shape == b.shape and torch.equal(a, b))
-    try:
-        return a is b or bool(a == b)
-    except Exception:  # e.g. values whose == is not a truth value
-        return False
+    return _C.split_inputs(tuple(args), dict(kwargs), n), _C.split_label(label, n)
 
 
 def _merge_auto(outputs):
-    """The automatic merge of microbatch outputs: tensors with dims are
-    concatenated on dim 0, floating 0-dim tensors averaged, other values
-    (integer 0-dim tensors included) must agree."""
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    for m, (_, other) in enumerate(flat[1:], 1):
-        if other != spec:
-            raise ValueError(f"output: microbatch 0 is {spec} but microbatch {m} is {other}")
-    merged = []
-    for i, vals in enumerate(zip(*(leaves for leaves, _ in flat))):
-        first, where = vals[0], f"output leaf {i}"
-        if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) for v in vals):
-            if first.dim() > 0:
-                if any(v.dim() == 0 for v in vals):
-                    raise ValueError(f"{where}: microbatch 0 has dims but another is a scalar tensor")
-                merged.append(torch.cat(vals) if len(vals) > 1 else first)
-                continue
-            if any(v.dim() > 0 for v in vals):
-                raise ValueError(f"{where}: microbatch 0 is a scalar tensor but another has dims")
-            if first.is_floating_point() or first.is_complex():
-                merged.append(torch.stack(vals).mean(0) if len(vals) > 1 else first)
-                continue
-        for m, v in enumerate(vals[1:], 1):
-            if not _same(first, v):
-                raise ValueError(f"{where}: microbatch 0 and microbatch {m} returned different values "
-                                 f"({first!r} vs {v!r}); only tensors can be merged")
-        merged.append(first)
-    return pytree.tree_unflatten(merged, spec)
+    """The automatic merge of microbatch outputs, by the engine's own merge:
+    tensors with dims are concatenated on dim 0, floating 0-dim tensors
+    averaged, other values (integer 0-dim tensors included) must agree."""
+    return _C.merge_outputs(list(outputs))

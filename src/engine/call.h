@@ -17,15 +17,15 @@
 
 #include "engine/autocast_state.h"
 #include "engine/buffer_handoff.h"
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "engine/param_gate.h"
 #include "engine/recompute_context.h"
 #include "roundpipe/model.h"
 #include "roundpipe/timer.h"
 #include "runtime/device.h"
+#include "schedule/chrome_trace.h"
 #include "schedule/lane_program.h"
 #include "schedule/scheduler.h"
-#include "schedule/trace.h"
 #include "util/contextual_error.h"
 #include "util/countdown.h"
 
@@ -54,7 +54,7 @@ struct ForwardRecord {
 // Everything a job needs from its model, fixed for the call.
 struct ModelView {
   std::string name;
-  std::vector<std::shared_ptr<Layer>>* layers;
+  std::vector<std::shared_ptr<LayerHandle>>* layers;
   HostStore* store;
   uint64_t seed;
   // Added to microbatch indices in random-stream keys: with data parallelism,

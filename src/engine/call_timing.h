@@ -6,7 +6,7 @@
 
 #include "engine/call.h"
 #include "roundpipe/timer.h"
-#include "schedule/trace.h"
+#include "schedule/chrome_trace.h"
 
 namespace roundpipe {
 

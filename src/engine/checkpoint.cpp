@@ -3,18 +3,22 @@
 // renamed over the target.
 //
 // Entries (all top-level attributes of the archive):
-//   format "roundpipe-checkpoint", version 1
+//   format "roundpipe-checkpoint", version 2 (version 1 is read too: its
+//   `user` also held a data position, read as extra_state "data.*")
 //   state_names [str], state [Tensor]        master parameters and buffers (state_dict order)
 //   optim_names [str], optim [Tensor]        optimizer copies
 //   accum_names/accum, grad_names/grad,      pending gradients: fp32 accumulators,
 //   optim_grad_names/optim_grad              the masters' .grad, the copies' .grad
 //   engine [int]                             num_layers, seed, next_call_id, steps_issued, behind
 //   timer_warmed [bool], timer_count [int], timer_mean [float]
-//   user [int]                               step, data seed, data epoch, data index
+//   user [int]                               step
+//   extra_state {str: int}                   CheckpointState::extra_state
 //   metadata_json str
 //   optimizer (nested archive), scaler_float {str: float}, scaler_int {str: int}   when given
 //   extra Tensor (uint8)                     bindings' own bytes, when given
 #include "engine/checkpoint_internal.h"
+#include "engine/engine_access.h"
+#include "engine/model_impl.h"
 
 #include "engine/checkpoint_file.h"
 #include "util/interrupt.h"
@@ -35,7 +39,7 @@ namespace detail {
 namespace {
 
 constexpr const char* kFormat = "roundpipe-checkpoint";
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;
 
 std::string message_of(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
@@ -224,6 +228,8 @@ void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model) {
   models.push_back(model);
 }
 
+void quiesce_for_checkpoint(RoundPipe::Impl& model) { model.quiesce(); }
+
 std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
   if (!tensor.defined()) return nullptr;
   const c10::TensorImpl* wanted = tensor.unsafeGetTensorImpl();
@@ -313,8 +319,10 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   ar.write("timer_warmed", warmed);
   ar.write("timer_count", count);
   ar.write("timer_mean", mean);
-  const DataPosition& pos = state.data_position;
-  ar.write("user", c10::List<int64_t>({state.step, static_cast<int64_t>(pos.seed), pos.epoch, pos.index}));
+  ar.write("user", c10::List<int64_t>({state.step}));
+  c10::Dict<std::string, int64_t> extra_state;
+  for (const auto& [key, value] : state.extra_state) extra_state.insert(key, value);
+  ar.write("extra_state", extra_state);
   ar.write("metadata_json", c10::IValue(state.metadata_json));
   if (state.optimizer != nullptr) {
     torch::serialize::OutputArchive opt;
@@ -377,8 +385,10 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
   Reader r{path, ar};
   c10::IValue format = r.get("format"), version = r.get("version");
   if (!format.isString() || format.toStringRef() != kFormat) r.damaged("it has no roundpipe checkpoint format tag");
-  TORCH_CHECK_VALUE(version.isInt() && version.toInt() == kVersion, "load_checkpoint: '", path,
-                    "' has checkpoint version ", version, "; this roundpipe reads version ", kVersion);
+  TORCH_CHECK_VALUE(version.isInt() && (version.toInt() == kVersion || version.toInt() == 1),
+                    "load_checkpoint: '", path, "' has checkpoint version ", version,
+                    "; this roundpipe reads versions 1 to ", kVersion);
+  const bool version1 = version.toInt() == 1;
 
   PendingCheckpoint out;
   out.path = path;
@@ -420,11 +430,18 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
   ModelTimer(m.num_layers()).load_state(out.timer);  // checks it: ValueError naming what is wrong
 
   const std::vector<int64_t> user = r.ints("user");
-  if (user.size() != 4) r.damaged("entry 'user' has the wrong length");
+  if (user.size() != (version1 ? 4u : 1u)) r.damaged("entry 'user' has the wrong length");
   out.step = user[0];
-  out.data_position.seed = static_cast<uint64_t>(user[1]);
-  out.data_position.epoch = user[2];
-  out.data_position.index = user[3];
+  if (version1)
+    out.extra_state = {{"data.seed", user[1]}, {"data.epoch", user[2]}, {"data.index", user[3]}};
+  c10::IValue extra_state =
+      version1 ? c10::IValue(c10::Dict<std::string, int64_t>()) : r.get("extra_state");
+  if (!extra_state.isGenericDict()) r.damaged("entry 'extra_state' is not a dict");
+  for (const auto& entry : extra_state.toGenericDict()) {
+    if (!entry.key().isString() || !entry.value().isInt())
+      r.damaged("entry 'extra_state' is not a dict of str to int");
+    out.extra_state[entry.key().toStringRef()] = entry.value().toInt();
+  }
   c10::IValue metadata = r.get("metadata_json");
   if (!metadata.isString()) r.damaged("entry 'metadata_json' is not a string");
   out.metadata_json = metadata.toStringRef();
@@ -485,11 +502,12 @@ void PendingCheckpoint::apply() {
 }  // namespace detail
 
 void save_checkpoint(const std::string& path, RoundPipe& model, const CheckpointState& state) {
-  detail::save_checkpoint_with(path, *detail::CheckpointAccess::impl(model), state, nullptr);
+  detail::save_checkpoint_with(path, *detail::EngineAccess::impl(model), state, nullptr);
 }
 
 void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState& state) {
-  detail::PendingCheckpoint pending = detail::read_checkpoint(path, detail::CheckpointAccess::impl(model));
+  detail::PendingCheckpoint pending =
+      detail::read_checkpoint(path, detail::EngineAccess::impl(model));
   TORCH_CHECK_VALUE(state.optimizer == nullptr || pending.optimizer != nullptr, "load_checkpoint: '", path,
                     "' holds no optimizer state (it was saved without CheckpointState::optimizer)");
   TORCH_CHECK_VALUE(state.scaler == nullptr || pending.scaler.has_value(), "load_checkpoint: '", path,
@@ -528,7 +546,7 @@ void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState&
   }
   pending.apply();
   state.step = pending.step;
-  state.data_position = pending.data_position;
+  state.extra_state = pending.extra_state;
   state.metadata_json = pending.metadata_json;
 }
 

@@ -9,21 +9,17 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "engine/model_impl.h"
 #include "roundpipe/checkpoint.h"
 #include "roundpipe/timer.h"
 
 namespace roundpipe {
 namespace detail {
-
-struct CheckpointAccess {
-  static const std::shared_ptr<RoundPipe::Impl>& impl(RoundPipe& model) { return model.impl_; }
-};
 
 // Records a model so that model_holding() can find it (weakly held).
 void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model);
@@ -37,6 +33,10 @@ std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor);
 // process die there. Process-wide; null (default) for none.
 using CheckpointCrashHook = std::function<void(const char* point, uint64_t bytes)>;
 void set_checkpoint_crash_hook(CheckpointCrashHook hook);
+
+// Waits for the model's queued work, its optimizer steps included, without
+// publishing the newest step into its parameters (what a save sees).
+void quiesce_for_checkpoint(RoundPipe::Impl& model);
 
 // save_checkpoint, plus `extra` bytes stored as they are (may be null).
 void save_checkpoint_with(const std::string& path, RoundPipe::Impl& model, const CheckpointState& state,
@@ -56,7 +56,7 @@ struct PendingCheckpoint {
   std::unique_ptr<torch::serialize::InputArchive> optimizer;  // null when saved without one
   c10::optional<c10::Dict<std::string, c10::IValue>> scaler;  // nullopt when saved without one
   int64_t step = 0;
-  DataPosition data_position;
+  std::map<std::string, int64_t> extra_state;
   std::string metadata_json;
   std::string extra;
   bool has_extra = false;

@@ -15,7 +15,8 @@ GroupAttachment::GroupAttachment(std::shared_ptr<ProcessGroup> group, const std:
 
 GroupAttachment::~GroupAttachment() { detail::detach_model(*group_); }
 
-void broadcast_model_state(ProcessGroup& group, HostStore& store, const std::vector<std::shared_ptr<Layer>>& layers,
+void broadcast_model_state(ProcessGroup& group, HostStore& store,
+                           const std::vector<std::shared_ptr<LayerHandle>>& layers,
                            uint64_t& seed) {
   at::NoGradGuard no_grad;
   at::Tensor seed_tensor = at::empty({1}, at::kLong);

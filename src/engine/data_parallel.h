@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "engine/host_store.h"
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "roundpipe/distributed.h"
 
 namespace roundpipe {
@@ -34,8 +34,8 @@ class GroupAttachment {
 };
 
 // Copies rank 0's parameters, buffers and random-stream seed to this process.
-void broadcast_model_state(ProcessGroup& group, HostStore& store, const std::vector<std::shared_ptr<Layer>>& layers,
-                           uint64_t& seed);
+void broadcast_model_state(ProcessGroup& group, HostStore& store,
+                           const std::vector<std::shared_ptr<LayerHandle>>& layers, uint64_t& seed);
 
 // Combines `grads` (indexed by parameter id: this process's fp32 gradient of
 // each parameter with an optimizer copy, undefined where it has none) across

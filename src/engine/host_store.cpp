@@ -35,7 +35,8 @@ PinMode pin_mode_from_name(const std::string& name) {
   TORCH_CHECK_VALUE(false, "pin_model must be 'alloc', 'register' or 'off', got '", name, "'");
 }
 
-HostStore::HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode mode, bool page_lock) {
+HostStore::HostStore(const std::vector<std::shared_ptr<LayerHandle>>& layers, PinMode mode,
+                     bool page_lock) {
   std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
   layers_.resize(layers.size());
   int64_t slab_bytes = 0;

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "roundpipe/model.h"
 
 namespace roundpipe {
@@ -41,7 +41,7 @@ class HostStore {
  public:
   // Keeps the layers' parameters as `mode` says; `page_lock` (the devices
   // are CUDA devices) page-locks them (kAlloc, kRegister).
-  HostStore(const std::vector<std::shared_ptr<Layer>>& layers, PinMode mode, bool page_lock);
+  HostStore(const std::vector<std::shared_ptr<LayerHandle>>& layers, PinMode mode, bool page_lock);
   ~HostStore();
   HostStore(const HostStore&) = delete;
   HostStore& operator=(const HostStore&) = delete;

@@ -86,7 +86,7 @@ class JobRunner {
   Cursor cursor;
 
  private:
-  std::shared_ptr<Layer>& layer(int64_t l) { return (*c_.model.layers)[l]; }
+  std::shared_ptr<LayerHandle>& layer(int64_t l) { return (*c_.model.layers)[l]; }
 
   // ---- per-layer times (for plans and the timer) ----
   // Every microbatch is timed only for a trace: otherwise the last one, whose

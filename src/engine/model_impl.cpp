@@ -7,9 +7,9 @@
 
 #include "engine/data_parallel.h"
 #include "engine/lifetime.h"
-#include "optim/optimizer_thread.h"
 #include "engine/rng.h"
-#include "engine/tracer.h"
+#include "engine/trace_recorder.h"
+#include "optim/optimizer_thread.h"
 #include "runtime/device_pool.h"
 
 namespace roundpipe {
@@ -27,8 +27,8 @@ int64_t devices_of(int64_t max, const RoundPipeOptions& options) {
   return max == 0 ? pool : max;
 }
 
-std::vector<std::shared_ptr<Layer>> with_replicas(std::vector<std::shared_ptr<Layer>> layers,
-                                                  int64_t devices) {
+std::vector<std::shared_ptr<LayerHandle>> with_replicas(
+    std::vector<std::shared_ptr<LayerHandle>> layers, int64_t devices) {
   TORCH_CHECK_VALUE(!layers.empty(), "RoundPipe: the model has no layers");
   for (const auto& layer : layers) layer->make_replicas(static_cast<int>(devices));
   return layers;
@@ -38,7 +38,7 @@ std::vector<std::shared_ptr<Layer>> with_replicas(std::vector<std::shared_ptr<La
 // torch::manual_seed fixes it); with a process group, rank 0's, whose
 // parameters and buffers every process starts from too.
 uint64_t initial_seed(const RoundPipeOptions& options, HostStore& store,
-                      const std::vector<std::shared_ptr<Layer>>& layers) {
+                      const std::vector<std::shared_ptr<LayerHandle>>& layers) {
   uint64_t seed = 0;
   if (options.seed) {
     seed = *options.seed;
@@ -55,14 +55,14 @@ uint64_t initial_seed(const RoundPipeOptions& options, HostStore& store,
 // The engine's owners (the RoundPipe, forward()'s autograd nodes) may let go
 // on any thread: the last release destroys it only where that may wait for
 // its threads (engine/lifetime.h).
-std::shared_ptr<RoundPipe::Impl> RoundPipe::Impl::create(std::vector<std::shared_ptr<Layer>> layers,
-                                                         RoundPipeOptions options,
-                                                         torch::nn::Sequential seq) {
+std::shared_ptr<RoundPipe::Impl> RoundPipe::Impl::create(
+    std::vector<std::shared_ptr<LayerHandle>> layers, RoundPipeOptions options,
+    torch::nn::Sequential seq) {
   return std::shared_ptr<Impl>(new Impl(std::move(layers), std::move(options), std::move(seq)),
                                [](Impl* impl) { destroy_where_allowed([impl] { delete impl; }); });
 }
 
-RoundPipe::Impl::Impl(std::vector<std::shared_ptr<Layer>> layers_in, RoundPipeOptions options,
+RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers_in, RoundPipeOptions options,
                       torch::nn::Sequential seq_in)
     : name(options.name),
       defaults(options.run_config),

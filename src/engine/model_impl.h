@@ -23,7 +23,7 @@
 
 #include "engine/gradient_sums.h"
 #include "engine/host_store.h"
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "engine/optimizer_side.h"
 #include "engine/pipeline.h"
 #include "engine/planner.h"
@@ -35,7 +35,7 @@ namespace roundpipe {
 class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
  public:
   // The only way to make one: its last owner may let go on any thread.
-  static std::shared_ptr<Impl> create(std::vector<std::shared_ptr<Layer>> layers,
+  static std::shared_ptr<Impl> create(std::vector<std::shared_ptr<LayerHandle>> layers,
                                       RoundPipeOptions options, torch::nn::Sequential seq);
   // Waits for the optimizer side's queued work (the call in flight is the
   // pipeline's to wait for, as it goes).
@@ -74,7 +74,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   const std::string name;
   const RunConfig defaults;
   torch::nn::Sequential seq{nullptr};
-  std::vector<std::shared_ptr<Layer>> layers;
+  std::vector<std::shared_ptr<LayerHandle>> layers;
   const int64_t num_devices;
   const bool overlap_iterations;  // RoundPipeOptions::overlap_iterations
   // The parts, in the order they are made (and destroyed in reverse).
@@ -85,7 +85,7 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   Pipeline pipeline;
 
  private:
-  Impl(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options,
+  Impl(std::vector<std::shared_ptr<LayerHandle>> layers, RoundPipeOptions options,
        torch::nn::Sequential seq);
 };
 

@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "engine/rng.h"
 #include "roundpipe/layer.h"
 
@@ -39,7 +39,7 @@ bool is_random_free(const torch::nn::Module& m) {
   return m.children().empty() && kLibtorchRandomFree.count(m.name()) > 0;
 }
 
-class ModuleLayer final : public Layer {
+class ModuleLayer final : public LayerHandle {
  public:
   ModuleLayer(torch::nn::AnyModule any, int64_t index)
       : any_(std::move(any)), module_(any_.ptr()), index_(index), random_free_(is_random_free(*module_)) {
@@ -228,7 +228,7 @@ void release_replica_tensors(std::vector<at::Tensor>& params, std::vector<at::Te
   for (auto& b : buffers) b.set_data(at::empty({0}, b.options()));
 }
 
-std::shared_ptr<Layer> make_module_layer(torch::nn::AnyModule module, int64_t index) {
+std::shared_ptr<LayerHandle> make_module_layer(torch::nn::AnyModule module, int64_t index) {
   return std::make_shared<ModuleLayer>(std::move(module), index);
 }
 

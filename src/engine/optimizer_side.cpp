@@ -7,9 +7,9 @@
 
 #include "engine/call.h"
 #include "engine/host_store.h"
-#include "optim/optimizer_thread.h"
-#include "engine/tracer.h"
+#include "engine/trace_recorder.h"
 #include "optim/kernels/kernels.h"
+#include "optim/optimizer_thread.h"
 #include "roundpipe/optimizer.h"
 #include "util/interrupt.h"
 

@@ -9,16 +9,16 @@
 #include "engine/call_timing.h"
 #include "engine/host_store.h"
 #include "engine/job_runner.h"
-#include "engine/tracer.h"
-#include "util/value_tree.h"
+#include "engine/trace_recorder.h"
 #include "runtime/device_pool.h"
 #include "schedule/lane_program.h"
+#include "util/value_tree.h"
 
 namespace roundpipe {
 
-Pipeline::Pipeline(std::string name, std::vector<std::shared_ptr<Layer>>& layers, HostStore& store,
-                   const ParamGate& gate, Planner& planner, GradientSums& gradients,
-                   int64_t num_devices, int64_t rank, uint64_t seed)
+Pipeline::Pipeline(std::string name, std::vector<std::shared_ptr<LayerHandle>>& layers,
+                   HostStore& store, const ParamGate& gate, Planner& planner,
+                   GradientSums& gradients, int64_t num_devices, int64_t rank, uint64_t seed)
     : name_(std::move(name)),
       layers_(layers),
       store_(store),

@@ -34,7 +34,7 @@
 #include "engine/buffer_handoff.h"
 #include "engine/call.h"
 #include "engine/gradient_sums.h"
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "engine/param_gate.h"
 #include "engine/planner.h"
 #include "roundpipe/microbatch.h"
@@ -50,7 +50,7 @@ class Pipeline {
   // Over the model's parts, which outlive it. `rank`: the process's in data
   // parallelism (0 alone); its microbatch m draws random numbers as
   // microbatch rank * M + m of one process would.
-  Pipeline(std::string name, std::vector<std::shared_ptr<Layer>>& layers, HostStore& store,
+  Pipeline(std::string name, std::vector<std::shared_ptr<LayerHandle>>& layers, HostStore& store,
            const ParamGate& gate, Planner& planner, GradientSums& gradients, int64_t num_devices,
            int64_t rank, uint64_t seed);
   // Waits for the call in flight: its jobs use the layers and the store.
@@ -122,7 +122,7 @@ class Pipeline {
   static Dispatcher& dispatcher();
 
   const std::string name_;
-  std::vector<std::shared_ptr<Layer>>& layers_;
+  std::vector<std::shared_ptr<LayerHandle>>& layers_;
   HostStore& store_;
   const ParamGate& gate_;
   Planner& planner_;

@@ -8,10 +8,11 @@
 
 #include "engine/call.h"
 #include "engine/checkpoint_internal.h"
+#include "engine/engine_access.h"
 #include "engine/host_store.h"
 #include "engine/model_impl.h"
-#include "util/value_tree.h"
 #include "util/atomic_file.h"
+#include "util/value_tree.h"
 
 #include <sstream>
 
@@ -165,7 +166,7 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
   TORCH_CHECK_VALUE(!model.is_empty(), "RoundPipe: model is an empty holder");
   const std::string name = options.name;
   impl_ = checking_arguments(name, "constructor", [&] {
-    std::vector<std::shared_ptr<Layer>> layers;
+    std::vector<std::shared_ptr<LayerHandle>> layers;
     int64_t i = 0;
     for (const auto& any : *model) layers.push_back(make_module_layer(any, i++));
     return Impl::create(std::move(layers), std::move(options), model);
@@ -175,7 +176,8 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
 
 namespace {
 
-std::vector<std::shared_ptr<Layer>> checked_layers(std::vector<std::shared_ptr<Layer>> layers) {
+std::vector<std::shared_ptr<LayerHandle>> checked_layers(
+    std::vector<std::shared_ptr<LayerHandle>> layers) {
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK_VALUE(layers[i] != nullptr, "RoundPipe: layer ", i, " of ", layers.size(), " is null");
   }
@@ -184,13 +186,18 @@ std::vector<std::shared_ptr<Layer>> checked_layers(std::vector<std::shared_ptr<L
 
 }  // namespace
 
-RoundPipe::RoundPipe(std::vector<std::shared_ptr<Layer>> layers, RoundPipeOptions options) {
+RoundPipe detail::EngineAccess::from_layers(std::vector<std::shared_ptr<LayerHandle>> layers,
+                                            RoundPipeOptions options) {
   const std::string name = options.name;
-  impl_ = checking_arguments(name, "constructor", [&] {
-    return Impl::create(checked_layers(std::move(layers)), std::move(options), torch::nn::Sequential(nullptr));
-  });
-  detail::note_live_model(impl_);  // found by tensor for the language bindings' checkpoints
+  RoundPipe model(checking_arguments(name, "constructor", [&] {
+    return RoundPipe::Impl::create(checked_layers(std::move(layers)), std::move(options),
+                                   torch::nn::Sequential(nullptr));
+  }));
+  detail::note_live_model(model.impl_);  // found by tensor for the language bindings' checkpoints
+  return model;
 }
+
+RoundPipe::RoundPipe(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 RoundPipe::~RoundPipe() = default;
 RoundPipe::RoundPipe(RoundPipe&&) noexcept = default;

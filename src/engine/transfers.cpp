@@ -70,7 +70,7 @@ Slot hand_off(Device& dev, const c10::IValue& value, int64_t consumer) {
 
 StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range, bool timed) {
   const HostStore& store = *model.store;
-  const std::vector<std::shared_ptr<Layer>>& layers = *model.layers;
+  const std::vector<std::shared_ptr<LayerHandle>>& layers = *model.layers;
   std::vector<at::Tensor> host;  // what to upload
   std::vector<int64_t> gated;    // layers whose parameters it reads
   std::unordered_map<int64_t, std::pair<size_t, bool>> source;  // param id -> (index in host, arena?)

@@ -61,6 +61,31 @@ const char* token_dtype_name(TokenDtype dtype) {
 int64_t token_dtype_size(TokenDtype dtype) { return dtype == TokenDtype::kUInt16 ? 2 : 4; }
 
 // ---------------------------------------------------------------------------
+// DataPosition
+
+std::map<std::string, int64_t> DataPosition::to_state(const std::string& prefix) const {
+  return {{prefix + ".seed", static_cast<int64_t>(seed)},
+          {prefix + ".epoch", epoch},
+          {prefix + ".index", index}};
+}
+
+DataPosition DataPosition::from_state(const std::map<std::string, int64_t>& state,
+                                      const std::string& prefix) {
+  auto get = [&](const char* field) {
+    const std::string key = prefix + "." + field;
+    const auto it = state.find(key);
+    TORCH_CHECK_VALUE(it != state.end(), "DataPosition::from_state: no entry '", key,
+                      "' (a state that DataPosition::to_state(\"", prefix, "\") filled has one)");
+    return it->second;
+  };
+  DataPosition pos;
+  pos.seed = static_cast<uint64_t>(get("seed"));
+  pos.epoch = get("epoch");
+  pos.index = get("index");
+  return pos;
+}
+
+// ---------------------------------------------------------------------------
 // TokenFile
 
 struct TokenFile::Impl {

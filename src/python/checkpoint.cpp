@@ -24,7 +24,7 @@ void bind_checkpoint(py::module_& m) {
     auto model = model_of(anchor, "save_checkpoint");
     InterruptScope interrupts(poll_python_signals);
     py::gil_scoped_release nogil;  // a step_fn may need the GIL
-    model->quiesce();
+    detail::quiesce_for_checkpoint(*model);
   });
   m.def("save_checkpoint", [](const std::string& path, const at::Tensor& anchor, int64_t step,
                               const std::string& metadata_json, const py::bytes& extra) {

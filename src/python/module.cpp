@@ -5,7 +5,8 @@
 #include <functional>
 #include <memory>
 
-#include "engine/layer.h"
+#include "engine/engine_access.h"
+#include "engine/layer_handle.h"
 #include "engine/lifetime.h"
 #include "python/native_module.h"
 #include "python/py_layer.h"
@@ -58,7 +59,7 @@ class Engine {
       TORCH_CHECK_TYPE(THPDtype_Check(optim_dtype.ptr()), "optim_dtype must be a torch.dtype or None");
       options.optim_dtype = reinterpret_cast<THPDtype*>(optim_dtype.ptr())->scalar_type;
     }
-    std::vector<std::shared_ptr<Layer>> layers(modules.size());
+    std::vector<std::shared_ptr<LayerHandle>> layers(modules.size());
     std::vector<std::pair<size_t, torch::nn::AnyModule>> natives;
     for (size_t i = 0; i < modules.size(); ++i) {
       if (auto native = native_module_of(modules[i])) {
@@ -73,7 +74,8 @@ class Engine {
     // the engine's constructor) is never taken while holding the GIL.
     py::gil_scoped_release nogil;
     for (auto& [i, any] : natives) layers[i] = make_module_layer(std::move(any), static_cast<int64_t>(i));
-    model_ = std::make_unique<RoundPipe>(std::move(layers), std::move(options));
+    model_ = std::make_unique<RoundPipe>(
+        detail::EngineAccess::from_layers(std::move(layers), std::move(options)));
   }
 
   ~Engine() {

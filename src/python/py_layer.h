@@ -1,4 +1,4 @@
-// The engine's Layer over a user's Python nn.Module.
+// The engine's LayerHandle over a user's Python nn.Module.
 //
 // Each device gets a structural replica (a deep copy made without the
 // tensors' data, see roundpipe/_layers.py) whose parameters and buffers are
@@ -10,7 +10,7 @@
 #include <atomic>
 #include <memory>
 
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
 #include "python/python_common.h"
 
 namespace roundpipe {
@@ -22,7 +22,7 @@ class PyLayer;
 // ValueError for tensors off the CPU.
 std::shared_ptr<PyLayer> make_py_layer(const py::object& module, int64_t index);
 
-class PyLayer : public Layer {
+class PyLayer : public LayerHandle {
  public:
   // Reads the module's training flag again (GIL held): users may switch
   // single submodules between calls.

@@ -181,6 +181,39 @@ py::dict kwargs_to_python(const Kwargs& kwargs) {
 }
 
 void bind_values(py::module_& m) {
+  // The engine's automatic split and merge (roundpipe/microbatch.h), for
+  // Python code that runs microbatches itself (AutoRoundPipe).
+  m.def(
+      "split_inputs",
+      [](const py::tuple& args, const py::dict& kwargs, int64_t n) {
+        const MicrobatchInputs split =
+            split_inputs(args_to_ivalues(args), kwargs_to_ivalues(kwargs), n, InputSplit());
+        py::list out;
+        for (int64_t i = 0; i < n; ++i)
+          out.append(
+              py::make_tuple(args_to_python(split.args[i]), kwargs_to_python(split.kwargs[i])));
+        return out;
+      },
+      py::arg("args"), py::arg("kwargs"), py::arg("n"),
+      "(args, kwargs) of each of n microbatches, split as a call's inputs are by default.");
+  m.def(
+      "split_label",
+      [](const py::handle& label, int64_t n) {
+        py::list out;
+        for (const c10::IValue& piece : split_label(to_ivalue(label), n, LabelSplit()))
+          out.append(to_python(piece));
+        return out;
+      },
+      py::arg("label"), py::arg("n"),
+      "The label of each of n microbatches, split as a call's label is by default.");
+  m.def(
+      "merge_outputs",
+      [](const py::sequence& outputs) {
+        std::vector<c10::IValue> values;
+        for (const py::handle& o : outputs) values.push_back(to_ivalue(o));
+        return to_python(merge_outputs(values, OutputMerge()));
+      },
+      py::arg("outputs"), "The microbatch outputs merged as a call's outputs are by default.");
   py::class_<PyMicrobatchValues>(m, "MicrobatchValues", R"(
 Per-microbatch values of an output merged with merge_output=False: another
 RoundPipe model accepts them as input and keeps the microbatches as they are.)")

@@ -75,8 +75,8 @@
 #include <string>
 #include <vector>
 
+#include "schedule/chrome_trace.h"
 #include "schedule/scheduler.h"
-#include "schedule/trace.h"
 
 namespace roundpipe {
 

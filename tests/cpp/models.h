@@ -1,7 +1,7 @@
 // Small models shared by the engine tests, and plain-libtorch references.
 #pragma once
 
-#include <roundpipe/roundpipe.h>
+#include <roundpipe/models.h>
 #include <torch/torch.h>
 
 #include <string>

@@ -33,6 +33,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "engine/engine_access.h"
 #include "models.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/optim/sgd.h"
@@ -509,35 +510,75 @@ void expect_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>
 std::vector<Case> engine_cases() {
   using K = Kind;
   std::vector<Case> cases = {
-      {"RoundPipe", "empty Sequential", K::kValue, {"RoundPipe", "no layers"},
+      {"RoundPipe",
+       "empty Sequential",
+       K::kValue,
+       {"RoundPipe", "no layers"},
        [] { RoundPipe m{torch::nn::Sequential()}; }},
-      {"RoundPipe", "null Sequential holder", K::kValue, {"RoundPipe", "empty holder"},
+      {"RoundPipe",
+       "null Sequential holder",
+       K::kValue,
+       {"RoundPipe", "empty holder"},
        [] { RoundPipe m{torch::nn::Sequential(nullptr)}; }},
-      {"RoundPipe", "a null layer", K::kValue, {"RoundPipe", "layer 0 of 2", "null"},
-       [] { RoundPipe m(std::vector<std::shared_ptr<Layer>>{nullptr, nullptr}, RoundPipeOptions()); }},
-      {"RoundPipe", "max_devices -1", K::kValue, {"RoundPipe", "max_devices", "got -1"},
+      {"RoundPipe",
+       "a null layer",
+       K::kValue,
+       {"RoundPipe", "layer 0 of 2", "null"},
+       [] {
+         detail::EngineAccess::from_layers({nullptr, nullptr}, RoundPipeOptions());
+       }},
+      {"RoundPipe",
+       "max_devices -1",
+       K::kValue,
+       {"RoundPipe", "max_devices", "got -1"},
        [] { RoundPipe m(make_mlp(), RoundPipeOptions().set_max_devices(-1)); }},
-      {"RoundPipe", "max_devices beyond the pool", K::kValue, {"RoundPipe", "max_devices", "got 99"},
+      {"RoundPipe",
+       "max_devices beyond the pool",
+       K::kValue,
+       {"RoundPipe", "max_devices", "got 99"},
        [] { RoundPipe m(make_mlp(), RoundPipeOptions().set_max_devices(99)); }},
-      {"RoundPipe", "integer optim_dtype", K::kType, {"RoundPipe", "optim_dtype", "Long"},
+      {"RoundPipe",
+       "integer optim_dtype",
+       K::kType,
+       {"RoundPipe", "optim_dtype", "Long"},
        [] { RoundPipe m(make_mlp(), RoundPipeOptions().set_optim_dtype(at::kLong)); }},
-      {"RoundPipe", "run_config num_microbatch 0", K::kValue, {"RoundPipe", "num_microbatch must be >= 1, got 0"},
-       [] { RoundPipe m(make_mlp(), RoundPipeOptions().set_run_config(RunConfig().num_microbatch(0))); }},
-      {"RoundPipe", "run_config plan past the last layer", K::kValue, {"RoundPipe", "range(0, 50)"},
+      {"RoundPipe",
+       "run_config num_microbatch 0",
+       K::kValue,
+       {"RoundPipe", "num_microbatch must be >= 1, got 0"},
+       [] {
+         RoundPipe m(make_mlp(), RoundPipeOptions().set_run_config(RunConfig().num_microbatch(0)));
+       }},
+      {"RoundPipe",
+       "run_config plan past the last layer",
+       K::kValue,
+       {"RoundPipe", "range(0, 50)"},
        [] {
          RoundPipe m(make_mlp(), RoundPipeOptions().set_run_config(RunConfig().execute_plan({{{0, 50}}, {}})));
        }},
-      {"RoundPipe", "layer that is not cloneable", K::kValue, {"RoundPipe", "layer 0", "cannot be cloned"},
+      {"RoundPipe",
+       "layer that is not cloneable",
+       K::kValue,
+       {"RoundPipe", "layer 0", "cannot be cloned"},
        [] { RoundPipe m{torch::nn::Sequential(std::make_shared<PlainModule>())}; }},
-      {"RoundPipe", "parameters off the CPU (meta)", K::kValue, {"RoundPipe", "layer 0", "CPU"},
+      {"RoundPipe",
+       "parameters off the CPU (meta)",
+       K::kValue,
+       {"RoundPipe", "layer 0", "CPU"},
        [] { RoundPipe m{torch::nn::Sequential(MetaParam())}; }},
-      {"RoundPipe::forward(Tensor)", "model returns a tuple", K::kType, {"forward(Tensor)", "forward(args, kwargs)"},
+      {"RoundPipe::forward(Tensor)",
+       "model returns a tuple",
+       K::kType,
+       {"forward(Tensor)", "forward(args, kwargs)"},
        [] {
          torch::manual_seed(3);
          RoundPipe m(torch::nn::Sequential(Embed(), Block()), RoundPipeOptions().set_max_devices(1));
          m.forward(torch::randint(kVocab, {2, kSeq}), RunConfig().num_microbatch(1).requires_grad(false));
        }},
-      {"get_recompute_data", "outside recomputation", K::kError, {"get_recompute_data", "outside recomputation"},
+      {"get_recompute_data",
+       "outside recomputation",
+       K::kError,
+       {"get_recompute_data", "outside recomputation"},
        [] { get_recompute_data(); }},
   };
   {

@@ -19,6 +19,8 @@
 #include <thread>
 
 #include "engine/checkpoint_internal.h"
+#include "engine/engine_access.h"
+#include "engine/model_impl.h"
 #include "models.h"
 
 extern char** environ;
@@ -128,7 +130,8 @@ struct Trainer {
     s.optimizer = &opt;
     s.scaler = scaler.get();
     s.step = step;
-    s.data_position = DataPosition{7, 1, step * 8};
+    s.extra_state = DataPosition{7, 1, step * 8}.to_state();
+    s.extra_state["run.attempt"] = 3;
     s.metadata_json = "{\"run\": \"test\"}";
     return s;
   }
@@ -173,7 +176,9 @@ Trajectory resumed(int64_t devices, SavePoint save, const std::string& path, boo
   load_checkpoint(path, t.model, state);
   const int64_t saved_step = save == SavePoint::kAfterStep ? kSaveAt : kSaveAt - 1;
   EXPECT_EQ(state.step, saved_step);
-  EXPECT_EQ(state.data_position, (DataPosition{7, 1, saved_step * 8}));
+  EXPECT_EQ(DataPosition::from_state(state.extra_state), (DataPosition{7, 1, saved_step * 8}));
+  EXPECT_EQ(state.extra_state.at("run.attempt"), 3);
+  EXPECT_EQ(state.extra_state.size(), 4u);
   EXPECT_EQ(state.metadata_json, "{\"run\": \"test\"}");
   Trajectory out;
   if (save == SavePoint::kBeforeStep) {
@@ -262,7 +267,7 @@ TEST(Checkpoint, RestoresTimerSeedAndScaler) {
     EXPECT_EQ(ta[i].count, tb[i].count) << i;
     EXPECT_EQ(ta[i].biased_mean, tb[i].biased_mean) << i;
   }
-  const auto engine = detail::CheckpointAccess::impl(b)->export_state();
+  const auto engine = detail::EngineAccess::impl(b)->export_state();
   EXPECT_EQ(engine.pipeline.seed, 77u);
   EXPECT_EQ(engine.pipeline.next_call_id, 2);
 }

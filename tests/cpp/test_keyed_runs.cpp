@@ -10,7 +10,8 @@
 
 #include <torch/optim/sgd.h>
 
-#include "engine/layer.h"
+#include "engine/engine_access.h"
+#include "engine/layer_handle.h"
 #include "models.h"
 
 namespace roundpipe {
@@ -22,7 +23,7 @@ namespace {
 // at the same time, until that has happened once (`most` records how many
 // runs ever were inside together). The first run of layer 0 does not wait:
 // nothing else can run then.
-class RendezvousLayer final : public Layer {
+class RendezvousLayer final : public LayerHandle {
  public:
   static constexpr auto kRendezvous = std::chrono::seconds(5);
 
@@ -62,7 +63,7 @@ class RendezvousLayer final : public Layer {
   }
 
  private:
-  std::shared_ptr<Layer> inner_;
+  std::shared_ptr<LayerHandle> inner_;
   const bool skip_first_;
   std::atomic<int> runs_{0};
   std::atomic<int>& inside_;
@@ -71,10 +72,12 @@ class RendezvousLayer final : public Layer {
 
 TEST(KeyedRuns, CpuDevicesRunKeyedLayersAtTheSameTime) {
   std::atomic<int> inside{0}, most{0};
-  std::vector<std::shared_ptr<Layer>> layers{std::make_shared<RendezvousLayer>(0, inside, most),
-                                             std::make_shared<RendezvousLayer>(1, inside, most)};
+  std::vector<std::shared_ptr<LayerHandle>> layers{
+      std::make_shared<RendezvousLayer>(0, inside, most),
+      std::make_shared<RendezvousLayer>(1, inside, most)};
   ASSERT_TRUE(layers[0]->may_draw_random());
-  RoundPipe model(layers, RoundPipeOptions().set_max_devices(2).set_seed(3));
+  RoundPipe model =
+      detail::EngineAccess::from_layers(layers, RoundPipeOptions().set_max_devices(2).set_seed(3));
   // Two stages on two devices: stage 1 of microbatch m runs while stage 0
   // runs microbatch m + 1, unless keyed runs exclude each other.
   const RunConfig cfg =

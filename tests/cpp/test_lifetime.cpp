@@ -14,7 +14,8 @@
 #include <memory>
 #include <thread>
 
-#include "engine/layer.h"
+#include "engine/engine_access.h"
+#include "engine/layer_handle.h"
 #include "engine/lifetime.h"
 #include "models.h"
 #include "util/worker_thread.h"
@@ -67,7 +68,7 @@ INSTANTIATE_TEST_SUITE_P(Lifetime, ModelDroppedOnItsOptimizerThread,
 
 // A linear layer whose lifetime the test can observe; it runs `on_forward`
 // (if any) before each forward, on whichever device worker runs it.
-class WatchedLayer final : public Layer {
+class WatchedLayer final : public LayerHandle {
  public:
   explicit WatchedLayer(torch::nn::Linear linear, std::function<void()> on_forward = {})
       : inner_(make_module_layer(torch::nn::AnyModule(linear), 0)), on_forward_(std::move(on_forward)) {}
@@ -90,7 +91,7 @@ class WatchedLayer final : public Layer {
   void unbind(int replica) override { inner_->unbind(replica); }
 
  private:
-  std::shared_ptr<Layer> inner_;
+  std::shared_ptr<LayerHandle> inner_;
   std::function<void()> on_forward_;
 };
 
@@ -98,15 +99,14 @@ class WatchedLayer final : public Layer {
 // layer the test watches.
 struct ModelInFlight {
   std::shared_ptr<RoundPipe> model;
-  std::weak_ptr<Layer> watch;
+  std::weak_ptr<LayerHandle> watch;
 };
 
 ModelInFlight model_with_a_step_in_flight(int64_t devices, std::function<void()> step_body) {
   auto layer = std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4));
-  ModelInFlight m{std::make_shared<RoundPipe>(
-                      std::vector<std::shared_ptr<Layer>>{layer, std::make_shared<WatchedLayer>(
-                                                                     torch::nn::Linear(4, 4))},
-                      RoundPipeOptions().set_max_devices(devices)),
+  ModelInFlight m{std::make_shared<RoundPipe>(detail::EngineAccess::from_layers(
+                      {layer, std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4))},
+                      RoundPipeOptions().set_max_devices(devices))),
                   layer};
   m.model->forward_backward({torch::randn({6, 4})}, make_kwargs(), torch::randn({6, 4}),
                             mse_loss_fn());
@@ -114,7 +114,7 @@ ModelInFlight model_with_a_step_in_flight(int64_t devices, std::function<void()>
   return m;
 }
 
-void expect_destroyed_soon(const std::weak_ptr<Layer>& watch) {
+void expect_destroyed_soon(const std::weak_ptr<LayerHandle>& watch) {
   for (int i = 0; i < 2000 && !watch.expired(); ++i) {
     wait_for_pending_destructions();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -157,16 +157,16 @@ TEST_P(ModelDroppedWithWorkInFlight, OnADeviceWorkerOfAnotherModel) {
     });
     auto holder = std::make_shared<std::shared_ptr<RoundPipe>>(std::move(m.model));
     bool destroyed_on_the_worker = true;
-    const std::weak_ptr<Layer> watch = m.watch;
-    RoundPipe other(std::vector<std::shared_ptr<Layer>>{std::make_shared<WatchedLayer>(
-                        torch::nn::Linear(4, 4),
-                        [holder, dropped, watch, &destroyed_on_the_worker] {
-                          if (dropped->load()) return;  // a later microbatch
-                          holder->reset();
-                          destroyed_on_the_worker = watch.expired();
-                          dropped->store(true);
-                        })},
-                    RoundPipeOptions().set_max_devices(GetParam()));
+    const std::weak_ptr<LayerHandle> watch = m.watch;
+    RoundPipe other = detail::EngineAccess::from_layers(
+        {std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4),
+                                        [holder, dropped, watch, &destroyed_on_the_worker] {
+                                          if (dropped->load()) return;  // a later microbatch
+                                          holder->reset();
+                                          destroyed_on_the_worker = watch.expired();
+                                          dropped->store(true);
+                                        })},
+        RoundPipeOptions().set_max_devices(GetParam()));
     at::Tensor loss = other.forward_backward({torch::randn({6, 4})}, make_kwargs(),
                                              torch::randn({6, 4}), mse_loss_fn())
                           .toTensor();
@@ -183,9 +183,9 @@ INSTANTIATE_TEST_SUITE_P(Lifetime, ModelDroppedWithWorkInFlight, ::testing::Valu
 
 TEST(Lifetime, AModelReleasedOnItsOptimizerThreadIsStillDestroyed) {
   auto layer = std::make_shared<WatchedLayer>(torch::nn::Linear(4, 4));
-  std::weak_ptr<Layer> watch = layer;
+  std::weak_ptr<LayerHandle> watch = layer;
   auto model =
-      std::make_shared<RoundPipe>(std::vector<std::shared_ptr<Layer>>{layer}, RoundPipeOptions());
+      std::make_shared<RoundPipe>(detail::EngineAccess::from_layers({layer}, RoundPipeOptions()));
   layer.reset();
   model->forward_backward({torch::randn({6, 4})}, make_kwargs(), torch::randn({6, 4}),
                           mse_loss_fn());

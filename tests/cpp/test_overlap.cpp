@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "copy_delay.h"
-#include "engine/tracer.h"
+#include "engine/trace_recorder.h"
 #include "models.h"
 
 namespace roundpipe {

@@ -23,12 +23,12 @@
 
 #include "copy_delay.h"
 #include "engine/host_store.h"
-#include "engine/layer.h"
+#include "engine/layer_handle.h"
+#include "engine/trace_recorder.h"
 #include "engine/transfers.h"
-#include "engine/tracer.h"
-#include "runtime/device_pool.h"
-#include "roundpipe/devices.h"
 #include "models.h"
+#include "roundpipe/devices.h"
+#include "runtime/device_pool.h"
 #include "schedule/simulator.h"
 
 namespace roundpipe {
@@ -327,7 +327,8 @@ TEST(Trace, RealRunWritesChromeTraceWithJobsInOrderOnTheirDevice) {
 // (start .. end).
 void expect_a_gated_upload_traced_as_wait_then_copy(Device& dev) {
   torch::nn::Linear linear(64, 64);
-  std::vector<std::shared_ptr<Layer>> layers = {make_module_layer(torch::nn::AnyModule(linear), 0)};
+  std::vector<std::shared_ptr<LayerHandle>> layers = {
+      make_module_layer(torch::nn::AnyModule(linear), 0)};
   HostStore store(layers, PinMode::kAlloc, /*page_lock=*/false);
   ParamGate gate(1);
   const int64_t generation = gate.begin_write();

@@ -22,7 +22,7 @@ LANES = ["param upload", "act upload", "compute", "download", "optimizer"]
 
 
 def our_trace(events, devices=("cpu:0", "cpu:1")):
-    """A trace laid out as src/schedule/trace.cpp writes it. `events` are
+    """A trace laid out as src/schedule/chrome_trace.cpp writes it. `events` are
     (device, lane, kind, name, start_us, dur_us, args); device -1 is the host."""
     rows = {(d, lane) for d in range(len(devices)) for lane in range(4)}
     rows |= {(e[0], e[1]) for e in events}

@@ -25,9 +25,9 @@ namespace roundpipe {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-class Layer {
+class LayerHandle {
  public:
-  virtual ~Layer() = default;
+  virtual ~LayerHandle() = default;
 
   // For error messages: "torch::nn::LinearImpl".
   virtual std::string type_name() const = 0;
@@ -57,12 +57,12 @@ class Layer {
 };
 
 // Points a replica's parameter and buffer variables at empty tensors and drops
-// the parameters' gradients: what Layer::unbind does with a replica's variables.
+// the parameters' gradients: what LayerHandle::unbind does with a replica's variables.
 void release_replica_tensors(std::vector<at::Tensor>& params, std::vector<at::Tensor>& buffers);
 
 // A layer backed by a libtorch module (see roundpipe/layer.h for how it is
 // called). Throws c10::ValueError if the module cannot be cloned or has
 // tensors off the CPU.
-std::shared_ptr<Layer> make_module_layer(torch::nn::AnyModule module, int64_t index);
+std::shared_ptr<LayerHandle> make_module_layer(torch::nn::AnyModule module, int64_t index);
 
 }  // namespace roundpipe

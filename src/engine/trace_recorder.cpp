@@ -1,13 +1,13 @@
-#include "engine/tracer.h"
+#include "engine/trace_recorder.h"
 
 #include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <cstdlib>
 
+#include "roundpipe/devices.h"
 #include "roundpipe/trace.h"
 #include "runtime/device.h"
-#include "roundpipe/devices.h"
 
 namespace roundpipe {
 

@@ -1,4 +1,4 @@
-#include "schedule/trace.h"
+#include "schedule/chrome_trace.h"
 
 #include <c10/util/Exception.h>
 
@@ -14,11 +14,16 @@ namespace roundpipe {
 
 const char* trace_lane_name(TraceLane lane) {
   switch (lane) {
-    case TraceLane::kParamUpload: return "param upload";
-    case TraceLane::kActUpload: return "act upload";
-    case TraceLane::kCompute: return "compute";
-    case TraceLane::kDownload: return "download";
-    case TraceLane::kOptimizer: return "optimizer";
+    case TraceLane::kParamUpload:
+      return "param upload";
+    case TraceLane::kActUpload:
+      return "act upload";
+    case TraceLane::kCompute:
+      return "compute";
+    case TraceLane::kDownload:
+      return "download";
+    case TraceLane::kOptimizer:
+      return "optimizer";
   }
   return "?";
 }
@@ -27,10 +32,18 @@ std::string json_quoted(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char buf[8];
@@ -97,8 +110,9 @@ std::string chrome_trace_json(const std::vector<TraceEvent>& events,
          << ",\"args\":{\"sort_index\":" << pid_of(device) << "}}";
     }
     sep();
-    os << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << pid_of(device) << ",\"tid\":" << tid_of(lane)
-       << ",\"args\":{\"name\":" << quoted(trace_lane_name(lane)) << "}}";
+    os << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << pid_of(device)
+       << ",\"tid\":" << tid_of(lane) << ",\"args\":{\"name\":" << quoted(trace_lane_name(lane))
+       << "}}";
     sep();
     os << "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":" << pid_of(device)
        << ",\"tid\":" << tid_of(lane) << ",\"args\":{\"sort_index\":" << tid_of(lane) << "}}";
@@ -106,8 +120,8 @@ std::string chrome_trace_json(const std::vector<TraceEvent>& events,
   for (const TraceEvent& e : events) {
     sep();
     os << "{\"ph\":\"X\",\"name\":" << quoted(e.name) << ",\"cat\":" << quoted(e.kind)
-       << ",\"pid\":" << pid_of(e.device) << ",\"tid\":" << tid_of(e.lane) << ",\"ts\":" << number(e.start_us)
-       << ",\"dur\":" << number(e.dur_us) << ",\"args\":{";
+       << ",\"pid\":" << pid_of(e.device) << ",\"tid\":" << tid_of(e.lane)
+       << ",\"ts\":" << number(e.start_us) << ",\"dur\":" << number(e.dur_us) << ",\"args\":{";
     bool first_arg = true;
     auto arg = [&](const char* key, const std::string& json) {
       if (!first_arg) os << ",";
@@ -119,7 +133,8 @@ std::string chrome_trace_json(const std::vector<TraceEvent>& events,
     if (!e.job.empty()) arg("job", quoted(e.job));
     if (e.stage >= 0) arg("stage", std::to_string(e.stage));
     if (e.layer_begin >= 0) {
-      arg("layers", quoted("[" + std::to_string(e.layer_begin) + ", " + std::to_string(e.layer_end) + ")"));
+      arg("layers",
+          quoted("[" + std::to_string(e.layer_begin) + ", " + std::to_string(e.layer_end) + ")"));
     }
     if (e.microbatch >= 0) arg("microbatch", std::to_string(e.microbatch));
     if (e.bytes >= 0) arg("bytes", std::to_string(e.bytes));

@@ -31,7 +31,7 @@ struct TraceEvent {
   // to/from the host), "optimizer", "wait" (a parameter upload waiting for
   // the optimizer to write the stage's parameters).
   std::string kind;
-  std::string name;    // shown on the bar, e.g. "fwd s2 mb0"
+  std::string name;     // shown on the bar, e.g. "fwd s2 mb0"
   double start_us = 0;  // from the trace's origin
   double dur_us = 0;
   // Arguments; -1 / empty: does not apply.

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "schedule/trace.h"
+#include "schedule/chrome_trace.h"
 
 namespace roundpipe {
 
@@ -36,9 +36,9 @@ class Tracer {
 
   const std::vector<std::string> device_names_;
   mutable std::mutex mu_;
-  bool on_ = false;           // guarded by mu_
-  std::string path_;          // guarded by mu_
-  double origin_ms_ = 0;      // guarded by mu_
+  bool on_ = false;                 // guarded by mu_
+  std::string path_;                // guarded by mu_
+  double origin_ms_ = 0;            // guarded by mu_
   std::vector<TraceEvent> events_;  // guarded by mu_
 };
 
