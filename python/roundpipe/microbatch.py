@@ -109,7 +109,8 @@ def _split_auto(args, kwargs, label, n):
             raise ValueError("the batch is empty (dim 0 of the first input tensor is 0)")
         warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}", stacklevel=3)
         n = batch
-    return _C.split_inputs(tuple(args), dict(kwargs), n), _C.split_label(label, n)
+    packed = _with_packed_split(args, kwargs, None, RoundPipeRunConfig())
+    return _C.split_inputs(tuple(args), dict(kwargs), n, packed), _C.split_label(label, n)
 
 
 def _merge_auto(outputs):

@@ -4,6 +4,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 
+#include "python/run_config.h"
 #include "util/value_tree.h"
 
 namespace roundpipe {
@@ -185,17 +186,18 @@ void bind_values(py::module_& m) {
   // Python code that runs microbatches itself (AutoRoundPipe).
   m.def(
       "split_inputs",
-      [](const py::tuple& args, const py::dict& kwargs, int64_t n) {
-        const MicrobatchInputs split =
-            split_inputs(args_to_ivalues(args), kwargs_to_ivalues(kwargs), n, InputSplit());
+      [](const py::tuple& args, const py::dict& kwargs, int64_t n, const py::object& run_config) {
+        const InputSplit how =
+            run_config.is_none() ? InputSplit() : to_run_config(run_config).split_input().value_or(InputSplit());
+        const MicrobatchInputs split = split_inputs(args_to_ivalues(args), kwargs_to_ivalues(kwargs), n, how);
         py::list out;
         for (int64_t i = 0; i < n; ++i)
-          out.append(
-              py::make_tuple(args_to_python(split.args[i]), kwargs_to_python(split.kwargs[i])));
+          out.append(py::make_tuple(args_to_python(split.args[i]), kwargs_to_python(split.kwargs[i])));
         return out;
       },
-      py::arg("args"), py::arg("kwargs"), py::arg("n"),
-      "(args, kwargs) of each of n microbatches, split as a call's inputs are by default.");
+      py::arg("args"), py::arg("kwargs"), py::arg("n"), py::arg("run_config") = py::none(),
+      "(args, kwargs) of each of n microbatches, split as a call's inputs are: by run_config's "
+      "split_input when given, else automatically.");
   m.def(
       "split_label",
       [](const py::handle& label, int64_t n) {

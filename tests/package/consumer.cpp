@@ -11,7 +11,7 @@ int main() {
   torch::manual_seed(0);
   roundpipe::DecoderConfig config = roundpipe::tiny_llama_config();
   roundpipe::RoundPipe model(roundpipe::make_decoder(config));
-  roundpipe::AdamW opt(model.optim_parameters(), roundpipe::AdamWOptions(1e-2));
+  roundpipe::optim::AdamW opt(model.optim_parameters(), roundpipe::optim::AdamWOptions(1e-2));
   const at::Tensor tokens = roundpipe::default_token_data().slice(0, 0, 4 * 33).view({4, 33});
   const at::Tensor inputs = tokens.slice(1, 0, 32), labels = tokens.slice(1, 1, 33);
   double first = 0, last = 0;
