@@ -78,6 +78,60 @@ struct Avx512Ops {
     return static_cast<Flag>(f | _mm512_cmpeq_epi32_mask(exponent, splat(0x7F800000u)));
   }
   static bool flag_any(Flag f) { return f != 0; }
+
+  static V load_bf16(const uint16_t* p) {
+    const __m512i u =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+
+  static __m512i lowbias32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, splat(0x7FEB352Du));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, splat(0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+
+  // Lane-wise ScalarOps::bf16_stochastic_bits for elements j .. j + 15.
+  static void store_bf16_stochastic(uint16_t* dst, V v, uint64_t j, uint64_t key) {
+    const __m512i lo0 = splat(static_cast<uint32_t>(j));
+    const __m512i lo = _mm512_add_epi32(
+        lo0, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(lo, lo0);
+    const __m512i hi0 = splat(static_cast<uint32_t>(j >> 32));
+    const __m512i hi = _mm512_mask_add_epi32(hi0, carry, hi0, splat(1));
+    __m512i h = lowbias32(_mm512_xor_si512(lo, splat(static_cast<uint32_t>(key))));
+    h = lowbias32(
+        _mm512_xor_si512(_mm512_xor_si512(h, hi), splat(static_cast<uint32_t>(key >> 32))));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(h, 16)), 16);
+    store_u16(dst, _mm512_mask_blend_epi32(nan_mask(v), rounded, splat(0x7FC0)));
+  }
+
+  static V lookup(const float* table, const uint8_t* codes) {
+    const __m512i idx =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    return _mm512_i32gather_ps(idx, table, 4);
+  }
+
+  // Lane-wise ScalarOps::nearest_code.
+  static void store_codes(uint8_t* dst, V y, const float* thresholds) {
+    __m512i pos = _mm512_setzero_si512();
+    for (uint32_t step = 128; step != 0; step >>= 1) {
+      const V t = _mm512_i32gather_ps(_mm512_add_epi32(pos, splat(step - 1)), thresholds, 4);
+      const __mmask16 below = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
+      pos = _mm512_mask_add_epi32(pos, below, pos, splat(step));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(pos));
+  }
+
+  using AbsBits = __m512i;
+  static AbsBits absbits_none() { return _mm512_setzero_si512(); }
+  static AbsBits absbits_max(AbsBits acc, V v) {
+    return _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(v), splat(0x7FFFFFFFu)));
+  }
+  static uint32_t absbits_reduce(AbsBits acc) { return _mm512_reduce_max_epu32(acc); }
 };
 
 constexpr detail::KernelTable kAvx512Table = make_table<Avx512Ops>();
