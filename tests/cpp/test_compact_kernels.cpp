@@ -595,6 +595,24 @@ TEST(CompactAdamKernels, Blockwise8QuantizationIsNearestAndZerosAreExact) {
   }
 }
 
+TEST(CompactAdamKernels, Blockwise8TiesGoToTheLowerCode) {
+  // One block: 1 (so absmax = 1 and the division is exact), then every
+  // midpoint between neighbouring map entries.
+  for (bool is_signed : {true, false}) {
+    const float* map = blockwise8_map(is_signed);
+    std::vector<float> values = {1.0f};
+    for (int k = 0; k < 255; ++k) values.push_back((map[k] + map[k + 1]) * 0.5f);
+    for (const KernelTable* t : SupportedTables()) {
+      std::vector<uint8_t> codes(values.size());
+      float absmax = 0;
+      t->quantize_blockwise8(values.data(), codes.data(), &absmax, 0, 256, is_signed);
+      EXPECT_EQ(absmax, 1.0f);
+      EXPECT_EQ(codes[0], 255);
+      for (int k = 0; k < 255; ++k) EXPECT_EQ(codes[static_cast<size_t>(k) + 1], k) << TableName(t);
+    }
+  }
+}
+
 TEST(CompactAdamKernels, StochasticRoundingPicksABf16NeighbourByTheDocumentedHash) {
   uint64_t seed = 5000;
   for (const Options& o : OptionGrid()) {
