@@ -178,7 +178,7 @@ int main() {
   add("torch fused SGD m=0.9", 20, n, -1, [&] { torch_sgd.step(); });                        // 6
   add("roundpipe Adam+bf16 copy", 30, n, -1, [&] { adam_bf16.step_with_lowp_copy(lowp); });  // 7
   add("roundpipe Adam bf16 states", 20, n, -1, [&] { adam_bf16_states.step(); });            // 8
-  add("roundpipe Adam 8-bit states", 16.0625, n, -1, [&] { adam_8bit_states.step(); });      // 9
+  add("roundpipe Adam 8bit states", 16.0625, n, -1, [&] { adam_8bit_states.step(); });      // 9
 
   std::printf("B1 optimizer step: %lld fp32 elements in %lld tensors, %lld reps (median)\n",
               static_cast<long long>(n), static_cast<long long>(num_tensors),
