@@ -109,15 +109,18 @@ struct Avx2Ops {
   }
 
   // Lane-wise ScalarOps::nearest_code.
-  static void store_codes(uint8_t* dst, V y, const float* thresholds) {
-    __m256i pos = _mm256_setzero_si256();
-    for (uint32_t step = 128; step != 0; step >>= 1) {
-      const V t = _mm256_i32gather_ps(thresholds, _mm256_add_epi32(pos, splat(step - 1)), 4);
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    __m256i node = splat(1);
+    for (int depth = 0; depth < 8; ++depth) {
+      const V t = _mm256_i32gather_ps(search, node, 4);
       const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, y, _CMP_LT_OQ));
-      pos = _mm256_add_epi32(pos, _mm256_and_si256(below, splat(step)));
+      // below is -1 where t < y: node = 2 node + 1 there.
+      node = _mm256_sub_epi32(_mm256_add_epi32(node, node), below);
     }
+    // node = 256 + code: keep the low byte before the saturating packs.
+    const __m256i code = _mm256_and_si256(node, splat(0xFF));
     const __m128i w16 =
-        _mm_packus_epi32(_mm256_castsi256_si128(pos), _mm256_extracti128_si256(pos, 1));
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w16, w16));
   }
 

@@ -109,21 +109,55 @@ struct Avx512Ops {
     store_u16(dst, _mm512_mask_blend_epi32(nan_mask(v), rounded, splat(0x7FC0)));
   }
 
+  // The blockwise-8 tables are read with in-register permutes rather than
+  // gathers, which cost far more per lane (and much more again on CPUs with
+  // the gather microcode mitigations). table[idx] for a 64-byte aligned
+  // table of 32 << k entries, idx in range: two-source permutes of 32
+  // entries, chosen by bits 5, 6, 7 of idx (bits above are ignored).
+  static V permute32(const float* table, __m512i idx) {
+    return _mm512_permutex2var_ps(_mm512_load_ps(table), idx, _mm512_load_ps(table + 16));
+  }
+  static V permute64(const float* table, __m512i idx) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, splat(32)), permute32(table, idx),
+                                permute32(table + 32, idx));
+  }
+  static V permute128(const float* table, __m512i idx) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, splat(64)), permute64(table, idx),
+                                permute64(table + 64, idx));
+  }
+  static V permute256(const float* table, __m512i idx) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, splat(128)), permute128(table, idx),
+                                permute128(table + 128, idx));
+  }
+
   static V lookup(const float* table, const uint8_t* codes) {
     const __m512i idx =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    return _mm512_i32gather_ps(idx, table, 4);
+    return permute256(table, idx);
   }
 
-  // Lane-wise ScalarOps::nearest_code.
-  static void store_codes(uint8_t* dst, V y, const float* thresholds) {
-    __m512i pos = _mm512_setzero_si512();
-    for (uint32_t step = 128; step != 0; step >>= 1) {
-      const V t = _mm512_i32gather_ps(_mm512_add_epi32(pos, splat(step - 1)), thresholds, 4);
-      const __mmask16 below = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
-      pos = _mm512_mask_add_epi32(pos, below, pos, splat(step));
+  // One step of ScalarOps::nearest_code: node = 2 node + (t < y).
+  static __m512i descend(__m512i node, V t, V y) {
+    const __mmask16 below = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
+    const __m512i twice = _mm512_add_epi32(node, node);
+    return _mm512_mask_add_epi32(twice, below, twice, splat(1));
+  }
+
+  // Lane-wise ScalarOps::nearest_code. The nodes of depth d are
+  // [2^d, 2^(d+1)), so the low bits of node index that depth's slice of the
+  // heap: search[0..15] serves depths 0-3, then slices of 16, 32, 64, 128.
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    const V top = _mm512_load_ps(search);
+    __m512i node = splat(1);
+    for (int depth = 0; depth < 4; ++depth) {
+      node = descend(node, _mm512_permutexvar_ps(node, top), y);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(pos));
+    node = descend(node, _mm512_permutexvar_ps(node, _mm512_load_ps(search + 16)), y);
+    node = descend(node, permute32(search + 32, node), y);
+    node = descend(node, permute64(search + 64, node), y);
+    node = descend(node, permute128(search + 128, node), y);
+    // node = 256 + code: the truncating narrowing keeps the code.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(node));
   }
 
   using AbsBits = __m512i;

@@ -18,7 +18,8 @@
 //   store_bf16/store_fp16 (c10's rounding), and a non-finite Flag accumulator;
 // for the compact Adam states:
 //   load_bf16, store_bf16_stochastic (ScalarOps::bf16_stochastic_bits),
-//   lookup(table, codes) = table[codes[lane]], store_codes (nearest_code),
+//   lookup(table, codes) = table[codes[lane]] (table: 256 floats, 64-byte
+//   aligned), store_codes (nearest_code, same comparisons in the same order),
 //   and an AbsBits accumulator: the max of (float bits & 0x7FFFFFFF) over
 //   lanes, an integer max, so its result does not depend on the order.
 #pragma once
@@ -107,8 +108,8 @@ struct ScalarOps {
     *dst = bf16_stochastic_bits(v, j, key);
   }
   static V lookup(const float* table, const uint8_t* codes) { return table[*codes]; }
-  static void store_codes(uint8_t* dst, V y, const float* thresholds) {
-    *dst = nearest_code(y, thresholds);
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    *dst = nearest_code(y, search);
   }
 
   using AbsBits = uint32_t;
@@ -133,16 +134,15 @@ struct ScalarOps {
     const uint32_t k1 = static_cast<uint32_t>(key >> 32);
     return lowbias32(lowbias32(lo ^ k0) ^ hi ^ k1);
   }
-  // The number of thresholds[0..254] below y (NaN: 0): the code of the
-  // nearest map entry, ties to the lower one. A branch-free binary search
-  // over the sorted thresholds (thresholds[255] = +inf is never below y); the
-  // vector paths run the same comparisons lane by lane.
-  static uint8_t nearest_code(float y, const float* thresholds) {
-    uint32_t pos = 0;
-    for (uint32_t step = 128; step != 0; step >>= 1) {
-      if (thresholds[pos + step - 1] < y) pos += step;
-    }
-    return static_cast<uint8_t>(pos);
+  // The number of midpoints (thresholds[0..254]) below y (NaN: 0): the code
+  // of the nearest map entry, ties to the lower one. A branch-free binary
+  // search over the midpoints in heap order (Blockwise8Map::search): 8
+  // comparisons, each halving the candidate codes; the vector paths run the
+  // same comparisons lane by lane.
+  static uint8_t nearest_code(float y, const float* search) {
+    uint32_t node = 1;
+    for (int level = 0; level < 8; ++level) node = 2 * node + (search[node] < y ? 1u : 0u);
+    return static_cast<uint8_t>(node - 256);
   }
 };
 
@@ -160,12 +160,23 @@ inline void store_lowp(uint16_t* dst, typename Ops::V v, LowpKind kind) {
 // The blockwise-8 maps and the midpoints between neighbours, computed at
 // compile time (exactly, so every ISA file holds the same bits). See
 // blockwise8_map() in kernels.h for the construction.
+struct alignas(64) Blockwise8Map {
+  float values[256];
+  // thresholds[k] = (values[k] + values[k + 1]) / 2 for k < 255; [255] = +inf.
+  float thresholds[256];
+  // The binary search over thresholds[0..254] as a heap: node i (1..255) at
+  // depth d = floor(log2 i) splits the 2^(8 - d) codes left at that depth,
+  //   search[i] = thresholds[(2 (i - 2^d) + 1) * 2^(7 - d) - 1];
+  // below y -> child 2i + 1, else 2i; node 256 + c is code c. Heap order
+  // keeps each depth's candidates contiguous, so the vector paths fetch them
+  // with in-register permutes of search[0..15], [16..31], ... (depths 0-3,
+  // 4, 5, 6 and 7) instead of gathers. search[0] is unused.
+  float search[256];
+};
+
 struct Blockwise8Maps {
-  float signed_map[256];
-  float unsigned_map[256];
-  // thresholds[k] = (map[k] + map[k + 1]) / 2 for k < 255; [255] = +inf.
-  float signed_thresholds[256];
-  float unsigned_thresholds[256];
+  Blockwise8Map signed_map;
+  Blockwise8Map unsigned_map;
 };
 
 constexpr void fill_dynamic_map(float* map, bool is_signed) {
@@ -192,17 +203,25 @@ constexpr void fill_dynamic_map(float* map, bool is_signed) {
   }
 }
 
-constexpr void fill_thresholds(const float* map, float* thresholds) {
-  for (int k = 0; k < 255; ++k) thresholds[k] = (map[k] + map[k + 1]) * 0.5f;
-  thresholds[255] = __builtin_huge_valf();
+constexpr void fill_thresholds(Blockwise8Map* map) {
+  for (int k = 0; k < 255; ++k) {
+    map->thresholds[k] = (map->values[k] + map->values[k + 1]) * 0.5f;
+  }
+  map->thresholds[255] = __builtin_huge_valf();
+  map->search[0] = __builtin_huge_valf();
+  for (int depth = 0; depth < 8; ++depth) {
+    for (int r = 0; r < (1 << depth); ++r) {
+      map->search[(1 << depth) + r] = map->thresholds[(2 * r + 1) * (128 >> depth) - 1];
+    }
+  }
 }
 
 constexpr Blockwise8Maps make_blockwise8_maps() {
   Blockwise8Maps maps{};
-  fill_dynamic_map(maps.signed_map, true);
-  fill_dynamic_map(maps.unsigned_map, false);
-  fill_thresholds(maps.signed_map, maps.signed_thresholds);
-  fill_thresholds(maps.unsigned_map, maps.unsigned_thresholds);
+  fill_dynamic_map(maps.signed_map.values, true);
+  fill_dynamic_map(maps.unsigned_map.values, false);
+  fill_thresholds(&maps.signed_map);
+  fill_thresholds(&maps.unsigned_map);
   return maps;
 }
 
@@ -297,10 +316,10 @@ struct Blockwise8BlockStates {
   float *m_new, *v_new;
   int64_t block_begin;
   V load_m(int64_t i) const {
-    return Ops::mul(Ops::lookup(kBlockwise8Maps.signed_map, m_codes + i), m_absmax);
+    return Ops::mul(Ops::lookup(kBlockwise8Maps.signed_map.values, m_codes + i), m_absmax);
   }
   V load_v(int64_t i) const {
-    return Ops::mul(Ops::lookup(kBlockwise8Maps.unsigned_map, v_codes + i), v_absmax);
+    return Ops::mul(Ops::lookup(kBlockwise8Maps.unsigned_map.values, v_codes + i), v_absmax);
   }
   void store_m(int64_t i, V x) const { Ops::store(m_new + (i - block_begin), x); }
   void store_v(int64_t i, V x) const { Ops::store(v_new + (i - block_begin), x); }
@@ -362,7 +381,7 @@ void adam_range(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t begi
 // integer max of the magnitudes' bits, so NaN wins over inf over any number
 // and the order of the lanes does not matter.
 template <class Ops>
-inline void quantize_block(const float* values, int64_t len, const float* thresholds,
+inline void quantize_block(const float* values, int64_t len, const Blockwise8Map& map,
                            uint8_t* codes, float* absmax) {
   typename Ops::AbsBits acc = Ops::absbits_none();
   int64_t i = 0;
@@ -377,9 +396,9 @@ inline void quantize_block(const float* values, int64_t len, const float* thresh
   const typename Ops::V d = Ops::set1(divisor);
   i = 0;
   for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
-    Ops::store_codes(codes + i, Ops::div(Ops::load(values + i), d), thresholds);
+    Ops::store_codes(codes + i, Ops::div(Ops::load(values + i), d), map.search);
   }
-  for (; i < len; ++i) codes[i] = ScalarOps::nearest_code(values[i] / divisor, thresholds);
+  for (; i < len; ++i) codes[i] = ScalarOps::nearest_code(values[i] / divisor, map.search);
   *absmax = amax;
 }
 
@@ -401,10 +420,10 @@ void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Para
         b.exp_avg.codes, b.exp_avg_sq.codes, m_absmax, v_absmax, m_new, v_new, block_begin};
     adam_loop<Ops>(h, b.grad, s, s1, q, q1, block_begin, block_end);
     const int64_t len = block_end - block_begin;
-    quantize_block<Ops>(m_new, len, kBlockwise8Maps.signed_thresholds,
-                        b.exp_avg.codes + block_begin, b.exp_avg.absmax + block);
-    quantize_block<Ops>(v_new, len, kBlockwise8Maps.unsigned_thresholds,
-                        b.exp_avg_sq.codes + block_begin, b.exp_avg_sq.absmax + block);
+    quantize_block<Ops>(m_new, len, kBlockwise8Maps.signed_map, b.exp_avg.codes + block_begin,
+                        b.exp_avg.absmax + block);
+    quantize_block<Ops>(v_new, len, kBlockwise8Maps.unsigned_map, b.exp_avg_sq.codes + block_begin,
+                        b.exp_avg_sq.absmax + block);
   }
 }
 
@@ -451,12 +470,11 @@ void adam_compact_range(const AdamHyper& hyper, const CompactAdamBuffers& buffer
 template <class Ops>
 void quantize_blockwise8_range(const float* src, uint8_t* codes, float* absmax, int64_t begin,
                                int64_t end, bool is_signed) {
-  const float* thresholds =
-      is_signed ? kBlockwise8Maps.signed_thresholds : kBlockwise8Maps.unsigned_thresholds;
+  const Blockwise8Map& map = is_signed ? kBlockwise8Maps.signed_map : kBlockwise8Maps.unsigned_map;
   for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
     const int64_t len =
         end - block_begin < kBlockwise8BlockSize ? end - block_begin : kBlockwise8BlockSize;
-    quantize_block<Ops>(src + block_begin, len, thresholds, codes + block_begin,
+    quantize_block<Ops>(src + block_begin, len, map, codes + block_begin,
                         absmax + block_begin / kBlockwise8BlockSize);
   }
 }
@@ -464,7 +482,8 @@ void quantize_blockwise8_range(const float* src, uint8_t* codes, float* absmax, 
 template <class Ops>
 void dequantize_blockwise8_range(const uint8_t* codes, const float* absmax, float* dst,
                                  int64_t begin, int64_t end, bool is_signed) {
-  const float* map = is_signed ? kBlockwise8Maps.signed_map : kBlockwise8Maps.unsigned_map;
+  const float* map =
+      is_signed ? kBlockwise8Maps.signed_map.values : kBlockwise8Maps.unsigned_map.values;
   for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
     const int64_t block_end =
         end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;

@@ -60,8 +60,8 @@ struct PortableOps {
   static V lookup(const float* table, const uint8_t* codes) {
     return V{table[codes[0]], table[codes[1]], table[codes[2]], table[codes[3]]};
   }
-  static void store_codes(uint8_t* dst, V y, const float* thresholds) {
-    for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::nearest_code(y[i], thresholds);
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::nearest_code(y[i], search);
   }
   using AbsBits = uint32_t;
   static AbsBits absbits_none() { return 0; }
@@ -90,7 +90,7 @@ const KernelTable* scalar_kernels() { return &kScalarTable; }
 // Here rather than in kernel_dispatch.cpp: the maps are kernel_impl.h's
 // compile-time constants, the same bits in every ISA file.
 const float* blockwise8_map(bool is_signed) {
-  return is_signed ? kBlockwise8Maps.signed_map : kBlockwise8Maps.unsigned_map;
+  return is_signed ? kBlockwise8Maps.signed_map.values : kBlockwise8Maps.unsigned_map.values;
 }
 }  // namespace kernels
 }  // namespace optim
