@@ -1,7 +1,9 @@
 // B1: roundpipe's CPU Adam / AdamW / SGD against (a) a hand-written
 // multithreaded STREAM triad measured in the same process (the memory-bandwidth
 // limit) and (b) torch's fused CPU optimizers (the kernels behind
-// torch.optim.Adam/AdamW/SGD(..., fused=True)) on equal tensors. Every
+// torch.optim.Adam/AdamW/SGD(..., fused=True)) on equal tensors, and Adam
+// with bf16 and 8-bit blockwise states against fp32 Adam (time per element,
+// adam_compact_vs_fp32 and adam8bit_vs_fp32). Every
 // repetition runs all kernels once, in a fixed order (strict alternation); the
 // table shows medians after one warm-up round.
 //
@@ -152,6 +154,10 @@ int main() {
   roundpipe::optim::AdamW adamw(params, roundpipe::optim::AdamWOptions(1e-4));
   TorchFusedAdam torch_adamw(torch_params, /*adamw=*/true);
   roundpipe::optim::Adam adam_bf16(params, roundpipe::optim::AdamOptions(1e-4));
+  roundpipe::optim::Adam adam_bf16_states(params, roundpipe::optim::AdamOptions(1e-4).state_dtype(
+                                                      roundpipe::optim::StateDtype::kBFloat16));
+  roundpipe::optim::Adam adam_8bit_states(params, roundpipe::optim::AdamOptions(1e-4).state_dtype(
+                                                      roundpipe::optim::StateDtype::kBlockwise8));
   roundpipe::optim::SGD sgd(params, roundpipe::optim::SGDOptions(1e-4).momentum(0.9));
   TorchFusedSgd torch_sgd(torch_params);
 
@@ -171,6 +177,8 @@ int main() {
   add("roundpipe SGD m=0.9", 20, n, 6, [&] { sgd.step(); });                                 // 5
   add("torch fused SGD m=0.9", 20, n, -1, [&] { torch_sgd.step(); });                        // 6
   add("roundpipe Adam+bf16 copy", 30, n, -1, [&] { adam_bf16.step_with_lowp_copy(lowp); });  // 7
+  add("roundpipe Adam bf16 states", 20, n, -1, [&] { adam_bf16_states.step(); });            // 8
+  add("roundpipe Adam 8bit states", 16.0625, n, -1, [&] { adam_8bit_states.step(); });      // 9
 
   std::printf("B1 optimizer step: %lld fp32 elements in %lld tensors, %lld reps (median)\n",
               static_cast<long long>(n), static_cast<long long>(num_tensors),
@@ -183,6 +191,7 @@ int main() {
       roundpipe::optim::kernels::isa_name(roundpipe::optim::kernels::active_isa()));
   std::printf(
       "bytes per element (GB/s column): Adam 28 (rd p,g,m,v; wr p,m,v), +2 with a bf16 copy, "
+      "20 with bf16 states, 16.0625 with 8-bit states (+ 2 absmax floats per 256), "
       "SGD+momentum 20; triad 12 (STREAM convention, write-allocate not counted) over %lld "
       "elements, %lld threads\n"
       "torch fused: at::_fused_adam_ / _fused_adamw_ / _fused_sgd_ of torch %s (the step counters "
@@ -220,9 +229,11 @@ int main() {
       "\nRESULT id=B1 adam_vs_triad=%.3f adam_vs_torch_fused=%.2f adamw_vs_torch_fused=%.2f "
       "sgd_vs_torch_fused=%.2f adam_bf16_vs_triad=%.3f sgd_vs_triad=%.3f triad_gbps=%.2f "
       "adam_gbps=%.2f "
-      "threads=%d isa=%s torch=%s\n",
+      "threads=%d isa=%s torch=%s adam_compact_vs_fp32=%.3f adam8bit_vs_fp32=%.3f\n",
       gbps[1] / triad_gbps, speedup[1], speedup[3], speedup[5], gbps[7] / triad_gbps,
       gbps[5] / triad_gbps, triad_gbps, gbps[1], at::get_num_threads(),
-      roundpipe::optim::kernels::isa_name(roundpipe::optim::kernels::active_isa()), TORCH_VERSION);
+      roundpipe::optim::kernels::isa_name(roundpipe::optim::kernels::active_isa()), TORCH_VERSION,
+      median(kernels[8].times) / median(kernels[1].times),
+      median(kernels[9].times) / median(kernels[1].times));
   return 0;
 }

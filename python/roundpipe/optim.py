@@ -32,6 +32,34 @@ def _real(tensors):
     return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
 
 
+# state_dtype: the accepted values, and the canonical name kept in each group.
+_STATE_DTYPES = {None: "float32", torch.float32: "float32", "float32": "float32",
+                 torch.bfloat16: "bfloat16", "bfloat16": "bfloat16",
+                 "int8": "int8", "blockwise8": "int8"}
+# The kernels' name of each format.
+_KERNEL_FORMAT = {"float32": "float32", "bfloat16": "bfloat16", "int8": "blockwise8"}
+# The format of a stored state, by exp_avg's dtype (complex64: fp32 pairs).
+_STORED_FORMAT = {torch.float32: "float32", torch.complex64: "float32", torch.bfloat16: "bfloat16",
+                  torch.uint8: "int8"}
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+def _state_dtype_name(name, value):
+    try:
+        return _STATE_DTYPES[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"roundpipe.optim.{name}: invalid state_dtype {value!r}; accepted: torch.float32 or None "
+                         "(the default), torch.bfloat16 (or 'bfloat16'), 'int8' (8-bit blockwise, or "
+                         "'blockwise8')") from None
+
+
+def _state_format(state_dtype, param):
+    """The format a parameter's states are kept in under a group's state_dtype."""
+    if state_dtype == "int8" and param.numel() < _C.adam_min_blockwise8_numel:
+        return "float32"
+    return state_dtype
+
+
 def _closure_loss(closure):
     if closure is None:
         return None
@@ -40,11 +68,22 @@ def _closure_loss(closure):
 
 
 class Adam(torch.optim.Optimizer):
-    """torch.optim.Adam's interface; ``decoupled_weight_decay=True`` is AdamW."""
+    """torch.optim.Adam's interface; ``decoupled_weight_decay=True`` is AdamW.
+
+    ``state_dtype`` (per group) chooses how exp_avg/exp_avg_sq (and
+    max_exp_avg_sq) are kept: ``torch.float32`` or None (default, 8 bytes per
+    element), ``torch.bfloat16`` (4 bytes, rounded to nearest even after each
+    step) or ``"int8"`` (8-bit blockwise as bitsandbytes' Adam8bit, about 2
+    bytes: uint8 codes in ``exp_avg``/``exp_avg_sq`` and one float32 scale per
+    256 elements in ``exp_avg_absmax``/``exp_avg_sq_absmax``; tensors under 4096
+    elements keep fp32 states; no amsgrad). Compact states need float32
+    parameters. load_state_dict() converts the loaded states to each group's
+    state_dtype (which it keeps: it is not taken from the loaded dict).
+    """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False):
+                 decoupled_weight_decay=False, state_dtype=None):
         if isinstance(lr, torch.Tensor):
             lr = float(lr)
         if not 0.0 <= lr:
@@ -60,8 +99,75 @@ class Adam(torch.optim.Optimizer):
         _check_unsupported(type(self).__name__, capturable, differentiable, foreach, fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
-                        fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay,
+                        state_dtype=_state_dtype_name(type(self).__name__, state_dtype))
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        name = type(self).__name__
+        if "state_dtype" in param_group:
+            param_group = dict(param_group)
+            param_group["state_dtype"] = _state_dtype_name(name, param_group["state_dtype"])
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._check_group(len(self.param_groups) - 1, group)
+
+    def _check_group(self, g, group):
+        name = type(self).__name__
+        if group["state_dtype"] == "int8" and group["amsgrad"]:
+            raise ValueError(f"roundpipe.optim.{name}: amsgrad is not supported with state_dtype='int8' "
+                             f"(parameter group {g}); use state_dtype=torch.bfloat16 or torch.float32")
+        if group["state_dtype"] != "float32":
+            for i, p in enumerate(group["params"]):
+                if p.dtype != torch.float32:
+                    raise ValueError(
+                        f"roundpipe.optim.{name}: parameter {i} of group {g} ({tuple(p.shape)}) is {p.dtype}; "
+                        f"state_dtype={group['state_dtype']!r} supports float32 parameters only (use "
+                        "state_dtype=torch.float32 for this parameter's group)")
+
+    def _param_index(self, param):
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is param:
+                    return index, g, i
+                index += 1
+        raise KeyError("parameter not in this optimizer")
+
+    def _conform_state(self, p, state, want):
+        """Converts a parameter's state to the format `want` (checking it)."""
+        current = (state["exp_avg"], state["exp_avg_sq"]) + tuple(state.get(k) for k in _STATE_KEYS[2:])
+        index, g, i = self._param_index(p)
+        out = _C.adam_convert_state(type(self).__name__, index, g, i, p.numel(), *current, _KERNEL_FORMAT[want])
+        for key, value in zip(_STATE_KEYS, out):
+            if value is None:
+                state.pop(key, None)
+            else:
+                state[key] = value
+
+    def load_state_dict(self, state_dict):
+        # torch.optim casts floating-point states to the parameter's dtype
+        # (which would turn bf16 states and 8-bit codes into float32); keep the
+        # loaded tensors as they are, then convert them to this optimizer's
+        # state_dtype.
+        dtypes = [group["state_dtype"] for group in self.param_groups]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        saved = {k: dict(v) for k, v in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params):
+            if pid not in saved or p not in self.state:
+                continue
+            for key in _STATE_KEYS:
+                value = saved[pid].get(key)
+                if torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device)
+        for group, dtype in zip(self.param_groups, dtypes):
+            group["state_dtype"] = dtype
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "exp_avg" in state:
+                    self._conform_state(p, state, _state_format(dtype, p))
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -69,6 +175,7 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", self._decoupled_default())
+            group.setdefault("state_dtype", self.defaults.get("state_dtype", "float32"))
         for s in self.state.values():
             if "step" in s and not torch.is_tensor(s["step"]):
                 s["step"] = torch.tensor(float(s["step"]))
@@ -79,8 +186,10 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
-        for group in self.param_groups:
+        for g, group in enumerate(self.param_groups):
+            self._check_group(g, group)
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+            compact = {k: [] for k in ("params", "grads", "steps") + _STATE_KEYS}
             amsgrad = group["amsgrad"]
             for p in group["params"]:
                 if p.grad is None:
@@ -88,14 +197,28 @@ class Adam(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("Adam does not support sparse gradients")
                 state = self.state[p]
+                want = _state_format(group["state_dtype"], p)
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if amsgrad:
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if want != "float32":
+                        self._conform_state(p, state, want)
+                elif _STORED_FORMAT.get(state["exp_avg"].dtype, want) != want:
+                    # A state in another format (state_dtype changed, or set by hand).
+                    self._conform_state(p, state, want)
                 if amsgrad and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["max_exp_avg_sq"] = (torch.zeros_like(p, memory_format=torch.preserve_format)
+                                               if want == "float32" else torch.zeros_like(state["exp_avg_sq"]))
+                if want != "float32":
+                    compact["params"].append(p)
+                    compact["grads"].append(p.grad)
+                    compact["steps"].append(state["step"])
+                    for key in _STATE_KEYS:
+                        compact[key].append(state.get(key) if key != "max_exp_avg_sq" or amsgrad else None)
+                    continue
                 params.append(p)
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])
@@ -103,30 +226,56 @@ class Adam(torch.optim.Optimizer):
                 if amsgrad:
                     max_sqs.append(state["max_exp_avg_sq"])
                 steps.append(state["step"])
-            if not params:
-                continue
             beta1, beta2 = group["betas"]
-            counts = [int(s.item()) + 1 for s in steps]
-            _C.adam_step(_real(params), _real(grads), _real(exp_avgs), _real(exp_avg_sqs), _real(max_sqs), counts,
-                         float(group["lr"]),
-                         float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                         bool(amsgrad), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
-            for s in steps:
-                s += 1
+            hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                     bool(amsgrad), bool(group["maximize"]), bool(group["decoupled_weight_decay"]))
+            if params:
+                counts = [int(s.item()) + 1 for s in steps]
+                _C.adam_step(_real(params), _real(grads), _real(exp_avgs), _real(exp_avg_sqs), _real(max_sqs), counts,
+                             *hyper)
+                for s in steps:
+                    s += 1
+            if compact["params"]:
+                counts = [int(s.item()) + 1 for s in compact["steps"]]
+                _C.adam_step_compact(compact["params"], compact["grads"], *(compact[k] for k in _STATE_KEYS), counts,
+                                     *hyper)
+                for s in compact["steps"]:
+                    s += 1
         return loss
 
 
 class AdamW(Adam):
-    """torch.optim.AdamW's interface (Adam with decoupled weight decay)."""
+    """torch.optim.AdamW's interface (Adam with decoupled weight decay); see
+    Adam for ``state_dtype``."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 state_dtype=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable,
-                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
+                         differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
+                         state_dtype=state_dtype)
 
     def _decoupled_default(self):
         return True
+
+
+class Adam8bit(Adam):
+    """Adam with 8-bit blockwise states (``state_dtype="int8"``)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, *, maximize=False,
+                 foreach=None, fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
+                         maximize=maximize, fused=fused, state_dtype="int8")
+
+
+class AdamW8bit(AdamW):
+    """AdamW with 8-bit blockwise states (``state_dtype="int8"``)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False,
+                 foreach=None, fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                         foreach=foreach, fused=fused, state_dtype="int8")
 
 
 class SGD(torch.optim.Optimizer):
@@ -200,5 +349,5 @@ RAdam = torch.optim.RAdam
 RMSprop = torch.optim.RMSprop
 Rprop = torch.optim.Rprop
 
-__all__ = ["Adam", "AdamW", "SGD", "Adadelta", "Adafactor", "Adagrad", "Adamax", "ASGD", "NAdam", "RAdam",
+__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "SGD", "Adadelta", "Adafactor", "Adagrad", "Adamax", "ASGD", "NAdam", "RAdam",
            "RMSprop", "Rprop"]

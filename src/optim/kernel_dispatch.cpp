@@ -33,6 +33,7 @@ namespace {
 // write the same cache line; arrays below the grain run on the caller.
 constexpr int64_t kLineFloats = 16;
 constexpr int64_t kGrain = 32768;  // elements: 128 KiB per array
+static_assert(kBlockwise8BlockSize % kLineFloats == 0, "blocks are whole cache lines");
 
 constexpr int kUnselected = -1;
 std::atomic<int> g_active{kUnselected};  // an Isa, once selected
@@ -82,10 +83,10 @@ Isa active() {
 
 const detail::KernelTable& table() { return *table_of(active()); }
 
-// Rounds a chunk boundary up to a cache line (never past n). Applied to every
-// boundary, it keeps the chunks disjoint and covering.
-int64_t line_boundary(int64_t i, int64_t n) {
-  return std::min(n, (i + kLineFloats - 1) / kLineFloats * kLineFloats);
+// Rounds a chunk boundary up to a multiple of `align` (never past n). Applied
+// to every boundary, it keeps the chunks disjoint and covering.
+int64_t aligned_boundary(int64_t i, int64_t n, int64_t align) {
+  return std::min(n, (i + align - 1) / align * align);
 }
 
 // The parallel region's fork and join happen inside libgomp or libtorch's
@@ -108,7 +109,8 @@ void tsan_join() {}
 #endif
 
 // Runs f(begin, end) over [0, n) in chunks on libtorch's intra-op pool
-// (at::get_num_threads() threads).
+// (at::get_num_threads() threads), with chunk boundaries at multiples of
+// `align` elements (a multiple of kLineFloats).
 //
 // Why not at::parallel_for directly: it is a header template whose OpenMP
 // version runs in parallel only in translation units compiled with -fopenmp.
@@ -118,7 +120,7 @@ void tsan_join() {}
 // a flat float view of `base`, and each chunk's data pointer tells which
 // element range the chunk covers. Nothing is read through the view.
 template <typename F>
-void parallel_ranges(const float* base, int64_t n, const F& f) {
+void parallel_ranges(const float* base, int64_t n, const F& f, int64_t align = kLineFloats) {
   if (n <= 0) return;
   if (n < kGrain || at::get_num_threads() == 1 || at::in_parallel_region()) {
     f(0, n);
@@ -131,9 +133,9 @@ void parallel_ranges(const float* base, int64_t n, const F& f) {
     tsan_chunk_begins();
     TORCH_INTERNAL_ASSERT(size1 == 1 && strides[0] == sizeof(float));
     const int64_t begin = (data[0] - origin) / static_cast<int64_t>(sizeof(float));
-    const int64_t begin_line = line_boundary(begin, n);
-    const int64_t end_line = line_boundary(begin + size0, n);
-    if (begin_line < end_line) f(begin_line, end_line);
+    const int64_t begin_aligned = aligned_boundary(begin, n, align);
+    const int64_t end_aligned = aligned_boundary(begin + size0, n, align);
+    if (begin_aligned < end_aligned) f(begin_aligned, end_aligned);
     tsan_chunk_ends();
   };
   tsan_fork();
@@ -185,6 +187,61 @@ void adam_update(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t n) 
   const detail::KernelTable& t = table();
   parallel_ranges(buffers.param, n,
                   [&](int64_t begin, int64_t end) { t.adam(hyper, buffers, begin, end); });
+}
+
+void adam_update_compact(const AdamHyper& hyper, const CompactAdamBuffers& buffers, int64_t n) {
+  if (n <= 0) return;
+  const CompactAdamBuffers& b = buffers;
+  TORCH_INTERNAL_ASSERT(b.grad != nullptr);
+  if (b.param_format == ParamFormat::kFp32) {
+    TORCH_INTERNAL_ASSERT(b.param != nullptr);
+    TORCH_INTERNAL_ASSERT(b.lowp_kind == LowpKind::kNone || b.lowp != nullptr);
+  } else {
+    TORCH_INTERNAL_ASSERT(b.param_bf16 != nullptr && b.lowp_kind == LowpKind::kNone);
+  }
+  switch (b.state_format) {
+    case StateFormat::kFp32:
+      TORCH_INTERNAL_ASSERT(b.exp_avg.fp32 != nullptr && b.exp_avg_sq.fp32 != nullptr);
+      TORCH_INTERNAL_ASSERT(!hyper.amsgrad || b.max_exp_avg_sq.fp32 != nullptr);
+      break;
+    case StateFormat::kBFloat16:
+      TORCH_INTERNAL_ASSERT(b.exp_avg.bf16 != nullptr && b.exp_avg_sq.bf16 != nullptr);
+      TORCH_INTERNAL_ASSERT(!hyper.amsgrad || b.max_exp_avg_sq.bf16 != nullptr);
+      break;
+    case StateFormat::kBlockwise8:
+      TORCH_INTERNAL_ASSERT(b.exp_avg.codes != nullptr && b.exp_avg.absmax != nullptr);
+      TORCH_INTERNAL_ASSERT(b.exp_avg_sq.codes != nullptr && b.exp_avg_sq.absmax != nullptr);
+      TORCH_INTERNAL_ASSERT(!hyper.amsgrad, "blockwise-8 Adam states have no amsgrad");
+      break;
+  }
+  const detail::KernelTable& t = table();
+  // Block-aligned chunks: a quantization block is never split between threads
+  // (and neither is a cache line of any of the arrays).
+  parallel_ranges(
+      b.grad, n, [&](int64_t begin, int64_t end) { t.adam_compact(hyper, buffers, begin, end); },
+      kBlockwise8BlockSize);
+}
+
+void blockwise8_quantize(const float* src, uint8_t* codes, float* absmax, int64_t n,
+                         bool is_signed) {
+  const detail::KernelTable& t = table();
+  parallel_ranges(
+      src, n,
+      [&](int64_t begin, int64_t end) {
+        t.quantize_blockwise8(src, codes, absmax, begin, end, is_signed);
+      },
+      kBlockwise8BlockSize);
+}
+
+void blockwise8_dequantize(const uint8_t* codes, const float* absmax, float* dst, int64_t n,
+                           bool is_signed) {
+  const detail::KernelTable& t = table();
+  parallel_ranges(
+      dst, n,
+      [&](int64_t begin, int64_t end) {
+        t.dequantize_blockwise8(codes, absmax, dst, begin, end, is_signed);
+      },
+      kBlockwise8BlockSize);
 }
 
 void sgd_update(const SgdHyper& hyper, const SgdBuffers& buffers, int64_t n) {

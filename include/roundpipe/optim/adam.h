@@ -23,12 +23,40 @@
 // and position). step() checks everything before it modifies anything.
 // Parameters whose .grad() is undefined are skipped, as in libtorch.
 //
-// State: torch::optim::AdamParamState per parameter (step, exp_avg,
-// exp_avg_sq, max_exp_avg_sq when amsgrad), in Optimizer::state() under the
-// same key libtorch uses, so save()/load() archives have libtorch's layout
+// State: roundpipe::optim::AdamParamState per parameter (libtorch's
+// torch::optim::AdamParamState: step, exp_avg, exp_avg_sq, max_exp_avg_sq when
+// amsgrad; plus the block scales of 8-bit states), in Optimizer::state() under
+// the same key libtorch uses, so save()/load() archives have libtorch's layout
 // (plus two option keys, maximize and decoupled_weight_decay, which loading
 // treats as false when absent). An archive written by torch::optim::Adam can be
 // loaded.
+//
+// Compact states: AdamOptions::state_dtype stores the moment estimates
+// (exp_avg, exp_avg_sq, max_exp_avg_sq) in fewer bytes. Per parameter element:
+//   StateDtype::kFloat32     8 bytes (12 with amsgrad); the default, and the
+//                            results above.
+//   StateDtype::kBFloat16    4 bytes (6 with amsgrad): bf16 tensors, rounded
+//                            to nearest even after every update.
+//   StateDtype::kBlockwise8  2 bytes + 2 floats per 256 elements (2.03125
+//                            bytes): bitsandbytes-style blockwise 8-bit
+//                            quantization (kernels.h, StateFormat). No amsgrad.
+// Each step widens the states to fp32, runs the fp32 update above (the new
+// parameter uses the unrounded fp32 moments) and narrows them again, in one
+// fused pass. In the state and in archives, per format:
+//   fp32:   exp_avg, exp_avg_sq [, max_exp_avg_sq]  float32, the parameter's sizes
+//   bf16:   the same keys, bfloat16
+//   8-bit:  exp_avg, exp_avg_sq  uint8 codes, the parameter's sizes (index into
+//           the signed map for exp_avg, the unsigned map for exp_avg_sq);
+//           exp_avg_absmax, exp_avg_sq_absmax  float32 [ceil(numel / 256)], the
+//           scale of each block of 256 elements (in row-major order)
+// The format of a stored state is read from these dtypes. A state in another
+// format than the parameter's group asks for (loaded from an archive, or after
+// state_dtype was changed) is converted when loaded and at step(): bf16 by
+// rounding to nearest even, 8-bit by quantizing (the nearest map entry after
+// dividing by the block's absmax), fp32 exactly; max_exp_avg_sq is dropped
+// when converting to 8-bit. Parameters with fewer than kMinBlockwise8Numel
+// elements keep fp32 states when 8-bit is asked (the savings would be small
+// and the quantization error of tiny tensors, e.g. biases and norms, large).
 //
 // Thread-safety: thread-compatible, like torch::optim::Optimizer: one thread
 // at a time may call a method; step() itself uses libtorch's intra-op pool.
@@ -38,6 +66,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <cstdint>
+#include <memory>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -45,11 +75,39 @@
 namespace roundpipe {
 namespace optim {
 
+// How Adam stores its moment estimates (see the top of this file).
+enum class StateDtype {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kBlockwise8 = 2,
+};
+
+// "float32", "bfloat16", "blockwise8".
+const char* state_dtype_name(StateDtype dtype);
+
+// Parameters with fewer elements keep fp32 states under StateDtype::kBlockwise8
+// (bitsandbytes' min_8bit_size).
+constexpr int64_t kMinBlockwise8Numel = 4096;
+
+// State of one parameter: libtorch's, plus the block scales of 8-bit states
+// (undefined for fp32 and bf16 states).
+struct AdamParamState : public torch::optim::AdamParamState {
+  TORCH_ARG(torch::Tensor, exp_avg_absmax);
+  TORCH_ARG(torch::Tensor, exp_avg_sq_absmax);
+
+ public:
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override;
+  // Absent keys (archives of fp32 states) leave the member undefined.
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+};
+
 // Options of Adam, with libtorch's names and defaults plus those of
 // torch.optim.Adam that libtorch 1.13 lacks. Validated when an optimizer is
 // constructed (defaults and every group given) and at every step() (every
 // group): c10::ValueError unless lr >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
-// eps >= 0 and weight_decay >= 0 (NaN fails all of these).
+// eps >= 0 and weight_decay >= 0 (NaN fails all of these), and not amsgrad
+// with StateDtype::kBlockwise8.
 struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions> {
   // Implicit, like torch::optim::AdamOptions, so `Adam(params, 1e-2)` works.
   AdamOptions(double lr = 1e-3);  // NOLINT(google-explicit-constructor)
@@ -70,6 +128,11 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   TORCH_ARG(bool, maximize) = false;
   // Decoupled weight decay: AdamW. Default false.
   TORCH_ARG(bool, decoupled_weight_decay) = false;
+  // Storage of exp_avg/exp_avg_sq/max_exp_avg_sq (see the top of this file).
+  // Default kFloat32. kBlockwise8 with amsgrad is a c10::ValueError. Not saved
+  // in archives: load() keeps each group's own state_dtype and converts the
+  // loaded states to it.
+  TORCH_ARG(StateDtype, state_dtype) = StateDtype::kFloat32;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -110,6 +173,10 @@ class Adam : public torch::optim::Optimizer {
   void step_with_lowp_copy(const std::vector<torch::Tensor>& lowp_copies);
 
   void save(torch::serialize::OutputArchive& archive) const override;
+  // Also converts the loaded states to each group's state_dtype (see the top
+  // of this file). A state of the wrong size or dtype is a c10::ValueError /
+  // c10::TypeError naming the parameter and the tensor, and leaves the
+  // optimizer as it was.
   void load(torch::serialize::InputArchive& archive) override;
 
  protected:

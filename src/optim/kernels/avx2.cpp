@@ -73,6 +73,69 @@ struct Avx2Ops {
     return _mm256_or_si256(f, _mm256_cmpeq_epi32(exponent, splat(0x7F800000u)));
   }
   static bool flag_any(Flag f) { return !_mm256_testz_si256(f, f); }
+
+  static V load_bf16(const uint16_t* p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+
+  static __m256i lowbias32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, splat(0x7FEB352Du));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, splat(0x846CA68Bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+
+  // Lane-wise ScalarOps::bf16_stochastic_bits for elements j .. j + 7.
+  static void store_bf16_stochastic(uint16_t* dst, V v, uint64_t j, uint64_t key) {
+    const __m256i lo0 = splat(static_cast<uint32_t>(j));
+    const __m256i lo = _mm256_add_epi32(lo0, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    // hi = (j >> 32) + carry; the all-ones lanes of no_carry (lo >= lo0) add -1.
+    const __m256i no_carry = _mm256_cmpeq_epi32(_mm256_max_epu32(lo, lo0), lo);
+    const __m256i hi = _mm256_add_epi32(splat(static_cast<uint32_t>(j >> 32) + 1u), no_carry);
+    __m256i h = lowbias32(_mm256_xor_si256(lo, splat(static_cast<uint32_t>(key))));
+    h = lowbias32(
+        _mm256_xor_si256(_mm256_xor_si256(h, hi), splat(static_cast<uint32_t>(key >> 32))));
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(h, 16)), 16);
+    store_u16(dst, _mm256_blendv_epi8(rounded, splat(0x7FC0), nan_mask(v)));
+  }
+
+  static V lookup(const float* table, const uint8_t* codes) {
+    const __m256i idx =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    return _mm256_i32gather_ps(table, idx, 4);
+  }
+
+  // Lane-wise ScalarOps::nearest_code.
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    __m256i node = splat(1);
+    for (int depth = 0; depth < 8; ++depth) {
+      const V t = _mm256_i32gather_ps(search, node, 4);
+      const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, y, _CMP_LT_OQ));
+      // below is -1 where t < y: node = 2 node + 1 there.
+      node = _mm256_sub_epi32(_mm256_add_epi32(node, node), below);
+    }
+    // node = 256 + code: keep the low byte before the saturating packs.
+    const __m256i code = _mm256_and_si256(node, splat(0xFF));
+    const __m128i w16 =
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w16, w16));
+  }
+
+  using AbsBits = __m256i;
+  static AbsBits absbits_none() { return _mm256_setzero_si256(); }
+  static AbsBits absbits_max(AbsBits acc, V v) {
+    return _mm256_max_epu32(acc, _mm256_and_si256(_mm256_castps_si256(v), splat(0x7FFFFFFFu)));
+  }
+  static uint32_t absbits_reduce(AbsBits acc) {
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    uint32_t out = 0;
+    for (uint32_t x : lanes) out = x > out ? x : out;
+    return out;
+  }
 };
 
 constexpr detail::KernelTable kAvx2Table = make_table<Avx2Ops>();

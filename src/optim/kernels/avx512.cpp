@@ -78,6 +78,94 @@ struct Avx512Ops {
     return static_cast<Flag>(f | _mm512_cmpeq_epi32_mask(exponent, splat(0x7F800000u)));
   }
   static bool flag_any(Flag f) { return f != 0; }
+
+  static V load_bf16(const uint16_t* p) {
+    const __m512i u =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+
+  static __m512i lowbias32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, splat(0x7FEB352Du));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, splat(0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+
+  // Lane-wise ScalarOps::bf16_stochastic_bits for elements j .. j + 15.
+  static void store_bf16_stochastic(uint16_t* dst, V v, uint64_t j, uint64_t key) {
+    const __m512i lo0 = splat(static_cast<uint32_t>(j));
+    const __m512i lo = _mm512_add_epi32(
+        lo0, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(lo, lo0);
+    const __m512i hi0 = splat(static_cast<uint32_t>(j >> 32));
+    const __m512i hi = _mm512_mask_add_epi32(hi0, carry, hi0, splat(1));
+    __m512i h = lowbias32(_mm512_xor_si512(lo, splat(static_cast<uint32_t>(key))));
+    h = lowbias32(
+        _mm512_xor_si512(_mm512_xor_si512(h, hi), splat(static_cast<uint32_t>(key >> 32))));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(h, 16)), 16);
+    store_u16(dst, _mm512_mask_blend_epi32(nan_mask(v), rounded, splat(0x7FC0)));
+  }
+
+  // The blockwise-8 tables are read with in-register permutes rather than
+  // gathers, which cost far more per lane (and much more again on CPUs with
+  // the gather microcode mitigations). table[idx] for a 64-byte aligned
+  // table of 32 << k entries, idx in range: two-source permutes of 32
+  // entries, chosen by bits 5, 6, 7 of idx (bits above are ignored).
+  static V permute32(const float* table, __m512i idx) {
+    return _mm512_permutex2var_ps(_mm512_load_ps(table), idx, _mm512_load_ps(table + 16));
+  }
+  static V permute64(const float* table, __m512i idx) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, splat(32)), permute32(table, idx),
+                                permute32(table + 32, idx));
+  }
+  static V permute128(const float* table, __m512i idx) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, splat(64)), permute64(table, idx),
+                                permute64(table + 64, idx));
+  }
+  static V permute256(const float* table, __m512i idx) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, splat(128)), permute128(table, idx),
+                                permute128(table + 128, idx));
+  }
+
+  static V lookup(const float* table, const uint8_t* codes) {
+    const __m512i idx =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    return permute256(table, idx);
+  }
+
+  // One step of ScalarOps::nearest_code: node = 2 node + (t < y).
+  static __m512i descend(__m512i node, V t, V y) {
+    const __mmask16 below = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
+    const __m512i twice = _mm512_add_epi32(node, node);
+    return _mm512_mask_add_epi32(twice, below, twice, splat(1));
+  }
+
+  // Lane-wise ScalarOps::nearest_code. The nodes of depth d are
+  // [2^d, 2^(d+1)), so the low bits of node index that depth's slice of the
+  // heap: search[0..15] serves depths 0-3, then slices of 16, 32, 64, 128.
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    const V top = _mm512_load_ps(search);
+    __m512i node = splat(1);
+    for (int depth = 0; depth < 4; ++depth) {
+      node = descend(node, _mm512_permutexvar_ps(node, top), y);
+    }
+    node = descend(node, _mm512_permutexvar_ps(node, _mm512_load_ps(search + 16)), y);
+    node = descend(node, permute32(search + 32, node), y);
+    node = descend(node, permute64(search + 64, node), y);
+    node = descend(node, permute128(search + 128, node), y);
+    // node = 256 + code: the truncating narrowing keeps the code.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(node));
+  }
+
+  using AbsBits = __m512i;
+  static AbsBits absbits_none() { return _mm512_setzero_si512(); }
+  static AbsBits absbits_max(AbsBits acc, V v) {
+    return _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(v), splat(0x7FFFFFFFu)));
+  }
+  static uint32_t absbits_reduce(AbsBits acc) { return _mm512_reduce_max_epu32(acc); }
 };
 
 constexpr detail::KernelTable kAvx512Table = make_table<Avx512Ops>();

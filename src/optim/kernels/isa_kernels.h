@@ -19,6 +19,15 @@ struct KernelTable {
   bool (*unscale_and_check)(float* grad, int64_t begin, int64_t end, float inv_scale);
   void (*convert_to_lowp)(const float* src, uint16_t* dst, int64_t begin, int64_t end,
                           LowpKind kind);
+  // The compact-state functions work on whole blocks: begin is a multiple of
+  // kBlockwise8BlockSize, and so is end unless it is the end of the arrays
+  // (only the last block is short). For the other formats any range will do.
+  void (*adam_compact)(const AdamHyper& hyper, const CompactAdamBuffers& buffers, int64_t begin,
+                       int64_t end);
+  void (*quantize_blockwise8)(const float* src, uint8_t* codes, float* absmax, int64_t begin,
+                              int64_t end, bool is_signed);
+  void (*dequantize_blockwise8)(const uint8_t* codes, const float* absmax, float* dst,
+                                int64_t begin, int64_t end, bool is_signed);
 };
 
 const KernelTable* scalar_kernels();

@@ -15,7 +15,13 @@
 //
 // An Ops type provides (V = one vector of kWidth floats):
 //   load/store/set1, add/mul/div/sqrt, max(a, b) = a > b ? a : b, neg,
-//   store_bf16/store_fp16 (c10's rounding), and a non-finite Flag accumulator.
+//   store_bf16/store_fp16 (c10's rounding), and a non-finite Flag accumulator;
+// for the compact Adam states:
+//   load_bf16, store_bf16_stochastic (ScalarOps::bf16_stochastic_bits),
+//   lookup(table, codes) = table[codes[lane]] (table: 256 floats, 64-byte
+//   aligned), store_codes (nearest_code, same comparisons in the same order),
+//   and an AbsBits accumulator: the max of (float bits & 0x7FFFFFFF) over
+//   lanes, an integer max, so its result does not depend on the order.
 #pragma once
 
 #include <cstdint>
@@ -90,6 +96,54 @@ struct ScalarOps {
     return f || (float_bits(v) & 0x7F800000u) == 0x7F800000u;
   }
   static bool flag_any(Flag f) { return f; }
+
+  static V load_bf16(const uint16_t* p) { return bits_float(static_cast<uint32_t>(*p) << 16); }
+  // The stochastic rounding of CompactAdamBuffers::sr_seed for element j.
+  static uint16_t bf16_stochastic_bits(float f, uint64_t j, uint64_t key) {
+    if (f != f) return 0x7FC0;
+    const uint32_t r = sr_hash(static_cast<uint32_t>(j), static_cast<uint32_t>(j >> 32), key);
+    return static_cast<uint16_t>((float_bits(f) + (r >> 16)) >> 16);
+  }
+  static void store_bf16_stochastic(uint16_t* dst, V v, uint64_t j, uint64_t key) {
+    *dst = bf16_stochastic_bits(v, j, key);
+  }
+  static V lookup(const float* table, const uint8_t* codes) { return table[*codes]; }
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    *dst = nearest_code(y, search);
+  }
+
+  using AbsBits = uint32_t;
+  static AbsBits absbits_none() { return 0; }
+  static AbsBits absbits_max(AbsBits acc, V v) {
+    const uint32_t a = float_bits(v) & 0x7FFFFFFFu;
+    return a > acc ? a : acc;
+  }
+  static uint32_t absbits_reduce(AbsBits acc) { return acc; }
+
+  // lowbias32 (Chris Wellons' integer hash); the vector paths repeat it.
+  static uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+  }
+  static uint32_t sr_hash(uint32_t lo, uint32_t hi, uint64_t key) {
+    const uint32_t k0 = static_cast<uint32_t>(key);
+    const uint32_t k1 = static_cast<uint32_t>(key >> 32);
+    return lowbias32(lowbias32(lo ^ k0) ^ hi ^ k1);
+  }
+  // The number of midpoints (thresholds[0..254]) below y (NaN: 0): the code
+  // of the nearest map entry, ties to the lower one. A branch-free binary
+  // search over the midpoints in heap order (Blockwise8Map::search): 8
+  // comparisons, each halving the candidate codes; the vector paths run the
+  // same comparisons lane by lane.
+  static uint8_t nearest_code(float y, const float* search) {
+    uint32_t node = 1;
+    for (int level = 0; level < 8; ++level) node = 2 * node + (search[node] < y ? 1u : 0u);
+    return static_cast<uint8_t>(node - 256);
+  }
 };
 
 template <class Ops>
@@ -100,6 +154,87 @@ inline void store_lowp(uint16_t* dst, typename Ops::V v, LowpKind kind) {
     Ops::store_fp16(dst, v);
   }
 }
+
+// ---- Compact-state constants -------------------------------------------------
+
+// The blockwise-8 maps and the midpoints between neighbours, computed at
+// compile time (exactly, so every ISA file holds the same bits). See
+// blockwise8_map() in kernels.h for the construction.
+struct alignas(64) Blockwise8Map {
+  float values[256];
+  // thresholds[k] = (values[k] + values[k + 1]) / 2 for k < 255; [255] = +inf.
+  float thresholds[256];
+  // The binary search over thresholds[0..254] as a heap: node i (1..255) at
+  // depth d = floor(log2 i) splits the 2^(8 - d) codes left at that depth,
+  //   search[i] = thresholds[(2 (i - 2^d) + 1) * 2^(7 - d) - 1];
+  // below y -> child 2i + 1, else 2i; node 256 + c is code c. Heap order
+  // keeps each depth's candidates contiguous, so the vector paths fetch them
+  // with in-register permutes of search[0..15], [16..31], ... (depths 0-3,
+  // 4, 5, 6 and 7) instead of gathers. search[0] is unused.
+  float search[256];
+};
+
+struct Blockwise8Maps {
+  Blockwise8Map signed_map;
+  Blockwise8Map unsigned_map;
+};
+
+constexpr void fill_dynamic_map(float* map, bool is_signed) {
+  int count = 0;
+  for (int e = 0; e <= 6; ++e) {
+    const int f = (is_signed ? 6 : 7) - e;
+    double decade = 1;
+    for (int k = 0; k < e; ++k) decade *= 10;
+    for (int j = 0; j < (1 << f); ++j) {
+      const double fraction = 0.1 + 0.9 * (2 * j + 1) / static_cast<double>(2 << f);
+      const float value = static_cast<float>(fraction / decade);
+      map[count++] = value;
+      if (is_signed) map[count++] = -value;
+    }
+  }
+  map[count++] = 0.0f;
+  map[count++] = 1.0f;
+  // Insertion sort, ascending (count == 256).
+  for (int a = 1; a < count; ++a) {
+    const float x = map[a];
+    int b = a;
+    for (; b > 0 && map[b - 1] > x; --b) map[b] = map[b - 1];
+    map[b] = x;
+  }
+}
+
+constexpr void fill_thresholds(Blockwise8Map* map) {
+  for (int k = 0; k < 255; ++k) {
+    map->thresholds[k] = (map->values[k] + map->values[k + 1]) * 0.5f;
+  }
+  map->thresholds[255] = __builtin_huge_valf();
+  map->search[0] = __builtin_huge_valf();
+  for (int depth = 0; depth < 8; ++depth) {
+    for (int r = 0; r < (1 << depth); ++r) {
+      map->search[(1 << depth) + r] = map->thresholds[(2 * r + 1) * (128 >> depth) - 1];
+    }
+  }
+}
+
+constexpr Blockwise8Maps make_blockwise8_maps() {
+  Blockwise8Maps maps{};
+  fill_dynamic_map(maps.signed_map.values, true);
+  fill_dynamic_map(maps.unsigned_map.values, false);
+  fill_thresholds(&maps.signed_map);
+  fill_thresholds(&maps.unsigned_map);
+  return maps;
+}
+
+constexpr Blockwise8Maps kBlockwise8Maps = make_blockwise8_maps();
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+inline uint64_t sr_key(uint64_t seed, uint64_t step) { return splitmix64(splitmix64(seed) ^ step); }
 
 // ---- Adam -------------------------------------------------------------------
 
@@ -119,27 +254,113 @@ struct AdamConsts {
       bias_correction2_sqrt, eps, neg_step_size;
 };
 
+// Accessors of the parameter and the states in their storage formats: load()
+// widens element i (and the following lanes) to fp32, store() narrows it.
 template <class Ops>
-inline void adam_at(const AdamHyper& h, const AdamConsts<Ops>& c, const AdamBuffers& b, int64_t i) {
+struct Fp32Param {
   using V = typename Ops::V;
-  V g = Ops::load(b.grad + i);
+  float* param;
+  uint16_t* lowp;
+  LowpKind lowp_kind;
+  V load(int64_t i) const { return Ops::load(param + i); }
+  void store(int64_t i, V p) const {
+    Ops::store(param + i, p);
+    if (lowp_kind != LowpKind::kNone) store_lowp<Ops>(lowp + i, p, lowp_kind);
+  }
+};
+
+template <class Ops>
+struct Bf16StochasticParam {
+  using V = typename Ops::V;
+  uint16_t* param;
+  uint64_t offset;  // sr_offset
+  uint64_t key;     // sr_key(sr_seed, sr_step)
+  V load(int64_t i) const { return Ops::load_bf16(param + i); }
+  void store(int64_t i, V p) const {
+    Ops::store_bf16_stochastic(param + i, p, offset + static_cast<uint64_t>(i), key);
+  }
+};
+
+template <class Ops>
+struct Fp32States {
+  using V = typename Ops::V;
+  float *m, *v, *max_v;
+  V load_m(int64_t i) const { return Ops::load(m + i); }
+  V load_v(int64_t i) const { return Ops::load(v + i); }
+  V load_max_v(int64_t i) const { return Ops::load(max_v + i); }
+  void store_m(int64_t i, V x) const { Ops::store(m + i, x); }
+  void store_v(int64_t i, V x) const { Ops::store(v + i, x); }
+  void store_max_v(int64_t i, V x) const { Ops::store(max_v + i, x); }
+};
+
+template <class Ops>
+struct Bf16States {
+  using V = typename Ops::V;
+  uint16_t *m, *v, *max_v;
+  V load_m(int64_t i) const { return Ops::load_bf16(m + i); }
+  V load_v(int64_t i) const { return Ops::load_bf16(v + i); }
+  V load_max_v(int64_t i) const { return Ops::load_bf16(max_v + i); }
+  void store_m(int64_t i, V x) const { Ops::store_bf16(m + i, x); }
+  void store_v(int64_t i, V x) const { Ops::store_bf16(v + i, x); }
+  void store_max_v(int64_t i, V x) const { Ops::store_bf16(max_v + i, x); }
+};
+
+// One block of blockwise-8 states: loads dequantize with the block's old
+// absmax; stores go to fp32 scratch (indexed from the block start), which
+// quantize_block() narrows once the whole block is updated.
+template <class Ops>
+struct Blockwise8BlockStates {
+  using V = typename Ops::V;
+  const uint8_t *m_codes, *v_codes;
+  V m_absmax, v_absmax;
+  float *m_new, *v_new;
+  int64_t block_begin;
+  V load_m(int64_t i) const {
+    return Ops::mul(Ops::lookup(kBlockwise8Maps.signed_map.values, m_codes + i), m_absmax);
+  }
+  V load_v(int64_t i) const {
+    return Ops::mul(Ops::lookup(kBlockwise8Maps.unsigned_map.values, v_codes + i), v_absmax);
+  }
+  void store_m(int64_t i, V x) const { Ops::store(m_new + (i - block_begin), x); }
+  void store_v(int64_t i, V x) const { Ops::store(v_new + (i - block_begin), x); }
+  // No amsgrad with blockwise-8 states.
+  V load_max_v(int64_t) const { return Ops::set1(0); }
+  void store_max_v(int64_t, V) const {}
+};
+
+// The Adam math of kernels.h for element i (and the following lanes).
+template <class Ops, class States, class Param>
+inline void adam_at(const AdamHyper& h, const AdamConsts<Ops>& c, const float* grad,
+                    const States& s, const Param& q, int64_t i) {
+  using V = typename Ops::V;
+  V g = Ops::load(grad + i);
   if (h.maximize) g = Ops::neg(g);
-  V p = Ops::load(b.param + i);
+  V p = q.load(i);
   if (h.coupled_weight_decay) g = Ops::add(g, Ops::mul(c.weight_decay, p));
   if (h.decoupled_weight_decay) p = Ops::mul(p, c.decay_factor);
-  const V m = Ops::add(Ops::mul(Ops::load(b.exp_avg + i), c.beta1), Ops::mul(c.one_minus_beta1, g));
-  V v = Ops::add(Ops::mul(Ops::load(b.exp_avg_sq + i), c.beta2),
-                 Ops::mul(Ops::mul(c.one_minus_beta2, g), g));
-  Ops::store(b.exp_avg + i, m);
-  Ops::store(b.exp_avg_sq + i, v);
+  const V m = Ops::add(Ops::mul(s.load_m(i), c.beta1), Ops::mul(c.one_minus_beta1, g));
+  V v = Ops::add(Ops::mul(s.load_v(i), c.beta2), Ops::mul(Ops::mul(c.one_minus_beta2, g), g));
+  s.store_m(i, m);
+  s.store_v(i, v);
   if (h.amsgrad) {
-    v = Ops::max(Ops::load(b.max_exp_avg_sq + i), v);
-    Ops::store(b.max_exp_avg_sq + i, v);
+    v = Ops::max(s.load_max_v(i), v);
+    s.store_max_v(i, v);
   }
   const V denom = Ops::add(Ops::div(Ops::sqrt(v), c.bias_correction2_sqrt), c.eps);
   p = Ops::add(p, Ops::div(Ops::mul(c.neg_step_size, m), denom));
-  Ops::store(b.param + i, p);
-  if (b.lowp_kind != LowpKind::kNone) store_lowp<Ops>(b.lowp + i, p, b.lowp_kind);
+  q.store(i, p);
+}
+
+// adam_at over [begin, end): whole vectors, then the remainder in ScalarOps.
+template <class Ops, template <class> class States, template <class> class Param>
+inline void adam_loop(const AdamHyper& h, const float* grad, const States<Ops>& s,
+                      const States<ScalarOps>& s1, const Param<Ops>& q, const Param<ScalarOps>& q1,
+                      int64_t begin, int64_t end) {
+  int64_t i = begin;
+  const AdamConsts<Ops> c(h);
+  for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_at<Ops>(h, c, grad, s, q, i);
+  const AdamConsts<ScalarOps> cs(h);
+  for (; i < end; ++i) adam_at<ScalarOps>(h, cs, grad, s1, q1, i);
 }
 
 template <class Ops>
@@ -147,11 +368,133 @@ void adam_range(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t begi
   // Local copies: the compiler can keep them in registers across the stores.
   const AdamHyper h = hyper;
   const AdamBuffers b = buffers;
-  int64_t i = begin;
-  const AdamConsts<Ops> c(h);
-  for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_at<Ops>(h, c, b, i);
-  const AdamConsts<ScalarOps> cs(h);
-  for (; i < end; ++i) adam_at<ScalarOps>(h, cs, b, i);
+  const Fp32States<Ops> s{b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq};
+  const Fp32States<ScalarOps> s1{b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq};
+  const Fp32Param<Ops> q{b.param, b.lowp, b.lowp_kind};
+  const Fp32Param<ScalarOps> q1{b.param, b.lowp, b.lowp_kind};
+  adam_loop<Ops>(h, b.grad, s, s1, q, q1, begin, end);
+}
+
+// ---- Adam with compact states ---------------------------------------------
+
+// codes[0, len) and *absmax from values[0, len) (one block): the absmax is the
+// integer max of the magnitudes' bits, so NaN wins over inf over any number
+// and the order of the lanes does not matter.
+template <class Ops>
+inline void quantize_block(const float* values, int64_t len, const Blockwise8Map& map,
+                           uint8_t* codes, float* absmax) {
+  typename Ops::AbsBits acc = Ops::absbits_none();
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= len; i += Ops::kWidth)
+    acc = Ops::absbits_max(acc, Ops::load(values + i));
+  uint32_t bits = Ops::absbits_reduce(acc);
+  for (; i < len; ++i) bits = ScalarOps::absbits_max(bits, values[i]);
+  const float amax = bits_float(bits);
+  // A block of zeros divides by 1 (0/0 would give NaN codes); a non-finite
+  // absmax is stored as is and makes the whole block non-finite.
+  const float divisor = amax > 0 ? amax : 1.0f;
+  const typename Ops::V d = Ops::set1(divisor);
+  i = 0;
+  for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
+    Ops::store_codes(codes + i, Ops::div(Ops::load(values + i), d), map.search);
+  }
+  for (; i < len; ++i) codes[i] = ScalarOps::nearest_code(values[i] / divisor, map.search);
+  *absmax = amax;
+}
+
+template <class Ops, template <class> class Param>
+void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Param<Ops>& q,
+                     const Param<ScalarOps>& q1, int64_t begin, int64_t end) {
+  alignas(64) float m_new[kBlockwise8BlockSize];
+  alignas(64) float v_new[kBlockwise8BlockSize];
+  for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
+    const int64_t block_end =
+        end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;
+    const int64_t block = block_begin / kBlockwise8BlockSize;
+    const float m_absmax = b.exp_avg.absmax[block];
+    const float v_absmax = b.exp_avg_sq.absmax[block];
+    const Blockwise8BlockStates<Ops> s{
+        b.exp_avg.codes, b.exp_avg_sq.codes, Ops::set1(m_absmax), Ops::set1(v_absmax), m_new,
+        v_new,           block_begin};
+    const Blockwise8BlockStates<ScalarOps> s1{
+        b.exp_avg.codes, b.exp_avg_sq.codes, m_absmax, v_absmax, m_new, v_new, block_begin};
+    adam_loop<Ops>(h, b.grad, s, s1, q, q1, block_begin, block_end);
+    const int64_t len = block_end - block_begin;
+    quantize_block<Ops>(m_new, len, kBlockwise8Maps.signed_map, b.exp_avg.codes + block_begin,
+                        b.exp_avg.absmax + block);
+    quantize_block<Ops>(v_new, len, kBlockwise8Maps.unsigned_map, b.exp_avg_sq.codes + block_begin,
+                        b.exp_avg_sq.absmax + block);
+  }
+}
+
+template <class Ops, template <class> class Param>
+void adam_compact_states(const AdamHyper& h, const CompactAdamBuffers& b, const Param<Ops>& q,
+                         const Param<ScalarOps>& q1, int64_t begin, int64_t end) {
+  switch (b.state_format) {
+    case StateFormat::kFp32: {
+      const Fp32States<Ops> s{b.exp_avg.fp32, b.exp_avg_sq.fp32, b.max_exp_avg_sq.fp32};
+      const Fp32States<ScalarOps> s1{b.exp_avg.fp32, b.exp_avg_sq.fp32, b.max_exp_avg_sq.fp32};
+      adam_loop<Ops>(h, b.grad, s, s1, q, q1, begin, end);
+      break;
+    }
+    case StateFormat::kBFloat16: {
+      const Bf16States<Ops> s{b.exp_avg.bf16, b.exp_avg_sq.bf16, b.max_exp_avg_sq.bf16};
+      const Bf16States<ScalarOps> s1{b.exp_avg.bf16, b.exp_avg_sq.bf16, b.max_exp_avg_sq.bf16};
+      adam_loop<Ops>(h, b.grad, s, s1, q, q1, begin, end);
+      break;
+    }
+    case StateFormat::kBlockwise8:
+      adam_blockwise8<Ops>(h, b, q, q1, begin, end);
+      break;
+  }
+}
+
+template <class Ops>
+void adam_compact_range(const AdamHyper& hyper, const CompactAdamBuffers& buffers, int64_t begin,
+                        int64_t end) {
+  const AdamHyper h = hyper;
+  const CompactAdamBuffers b = buffers;
+  if (b.param_format == ParamFormat::kFp32) {
+    const Fp32Param<Ops> q{b.param, b.lowp, b.lowp_kind};
+    const Fp32Param<ScalarOps> q1{b.param, b.lowp, b.lowp_kind};
+    adam_compact_states<Ops>(h, b, q, q1, begin, end);
+  } else {
+    const uint64_t offset = static_cast<uint64_t>(b.sr_offset);
+    const uint64_t key = sr_key(b.sr_seed, b.sr_step);
+    const Bf16StochasticParam<Ops> q{b.param_bf16, offset, key};
+    const Bf16StochasticParam<ScalarOps> q1{b.param_bf16, offset, key};
+    adam_compact_states<Ops>(h, b, q, q1, begin, end);
+  }
+}
+
+template <class Ops>
+void quantize_blockwise8_range(const float* src, uint8_t* codes, float* absmax, int64_t begin,
+                               int64_t end, bool is_signed) {
+  const Blockwise8Map& map = is_signed ? kBlockwise8Maps.signed_map : kBlockwise8Maps.unsigned_map;
+  for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
+    const int64_t len =
+        end - block_begin < kBlockwise8BlockSize ? end - block_begin : kBlockwise8BlockSize;
+    quantize_block<Ops>(src + block_begin, len, map, codes + block_begin,
+                        absmax + block_begin / kBlockwise8BlockSize);
+  }
+}
+
+template <class Ops>
+void dequantize_blockwise8_range(const uint8_t* codes, const float* absmax, float* dst,
+                                 int64_t begin, int64_t end, bool is_signed) {
+  const float* map =
+      is_signed ? kBlockwise8Maps.signed_map.values : kBlockwise8Maps.unsigned_map.values;
+  for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
+    const int64_t block_end =
+        end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;
+    const float a = absmax[block_begin / kBlockwise8BlockSize];
+    const typename Ops::V av = Ops::set1(a);
+    int64_t i = block_begin;
+    for (; i + Ops::kWidth <= block_end; i += Ops::kWidth) {
+      Ops::store(dst + i, Ops::mul(Ops::lookup(map, codes + i), av));
+    }
+    for (; i < block_end; ++i) dst[i] = map[codes[i]] * a;
+  }
 }
 
 // ---- SGD --------------------------------------------------------------------
@@ -229,8 +572,13 @@ void convert_range(const float* src, uint16_t* dst, int64_t begin, int64_t end, 
 
 template <class Ops>
 constexpr detail::KernelTable make_table() {
-  return detail::KernelTable{&adam_range<Ops>, &sgd_range<Ops>, &unscale_range<Ops>,
-                             &convert_range<Ops>};
+  return detail::KernelTable{&adam_range<Ops>,
+                             &sgd_range<Ops>,
+                             &unscale_range<Ops>,
+                             &convert_range<Ops>,
+                             &adam_compact_range<Ops>,
+                             &quantize_blockwise8_range<Ops>,
+                             &dequantize_blockwise8_range<Ops>};
 }
 
 }  // namespace

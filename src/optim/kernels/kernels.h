@@ -16,10 +16,11 @@
 // ROUNDPIPE_SIMD=scalar|avx2|avx512 forces one. It is read once, at the first
 // kernel call, and again by select_isa_from_env().
 //
-// Threads: the entry points split the arrays at cache lines over libtorch's
-// intra-op pool (at::get_num_threads() threads; arrays under 32K elements run
-// on the caller). See parallel_ranges() in kernel_dispatch.cpp for why this is
-// done through TensorIterator rather than a direct at::parallel_for.
+// Threads: the entry points split the arrays at cache lines (the compact-state
+// ones at quantization blocks) over libtorch's intra-op pool
+// (at::get_num_threads() threads; arrays under 32K elements run on the caller). See
+// parallel_ranges() in kernel_dispatch.cpp for why this is done through TensorIterator rather than
+// a direct at::parallel_for.
 //
 // Thread-safety: the update functions are thread-safe for disjoint buffers.
 // select_isa* may be called while other threads run kernels: each call uses
@@ -126,6 +127,112 @@ bool unscale_and_check(float* grad, int64_t n, float inv_scale);
 
 // dst = round(src) to `kind` (not kNone), bitwise like Tensor::to().
 void convert_to_lowp(const float* src, uint16_t* dst, int64_t n, LowpKind kind);
+
+// ---- Adam with compact states -----------------------------------------------
+//
+// adam_update_compact() runs the Adam/AdamW math of adam_update() (the same
+// fp32 operations in the same order) on states and a parameter kept in
+// smaller formats: each element's states are widened to fp32, updated, and
+// narrowed again in the same pass. The update itself uses the fp32 values
+// before narrowing, so only what is carried to the next step is rounded.
+
+// Storage of exp_avg, exp_avg_sq (and max_exp_avg_sq) between steps.
+enum class StateFormat {
+  kFp32 = 0,
+  // bf16 bits; stored rounded to nearest even (as kBFloat16 copies are).
+  kBFloat16 = 1,
+  // 8-bit blockwise quantization, as bitsandbytes' blockwise 8-bit Adam:
+  // blocks of kBlockwise8BlockSize elements, one uint8 code per element and
+  // one float absmax per block; the value is map[code] * absmax, exp_avg with
+  // the signed map, exp_avg_sq with the unsigned one (blockwise8_map()).
+  // After the update, a block's new absmax is max |value| over the block and
+  // each code is the nearest map entry to value / absmax (ties to the lower
+  // code). An inf or NaN in a block makes the whole block's states non-finite.
+  // No amsgrad.
+  kBlockwise8 = 2,
+};
+
+// Storage of the parameter.
+enum class ParamFormat {
+  kFp32 = 0,  // float, updated in place; an optional lowp copy as in AdamBuffers
+  // The parameter exists only as bf16 bits: it is widened, updated in fp32 and
+  // stored rounded stochastically (see CompactAdamBuffers::sr_seed), so that
+  // updates far below a bf16 ulp still move it on average.
+  kBFloat16Stochastic = 1,
+};
+
+// Elements per quantization block. A power of two, a multiple of every
+// vector width and of a cache line of floats, bf16 and codes: threads split
+// the arrays at block boundaries, so a block never straddles two threads.
+constexpr int64_t kBlockwise8BlockSize = 256;
+
+inline int64_t blockwise8_num_blocks(int64_t n) {
+  return (n + kBlockwise8BlockSize - 1) / kBlockwise8BlockSize;
+}
+
+// The 256 values of a blockwise-8 map, ascending, in [-1, 1] (signed) or
+// [0, 1] (unsigned); both contain 0 and 1. bitsandbytes' "dynamic" map
+// (create_dynamic_map with 7 exponent bits): after the sign bit (signed map
+// only), a run of e zero bits (e = 0..6) selects the decade 10^-e, a one bit
+// ends the run and the remaining f bits (f = 6 - e signed, 7 - e unsigned)
+// are a linear fraction: the value is
+//   10^-e * (0.1 + 0.9 * (2 j + 1) / 2^(f + 1)),  j = 0 .. 2^f - 1,
+// i.e. the midpoints of 2^f equal steps of [0.1, 1] (computed in double,
+// rounded once to float). The signed map has these 127 values, their
+// negatives, 0 and 1; the unsigned map 254 values, 0 and 1. The codes index
+// the sorted map, so they are not bitsandbytes' bit patterns; the values
+// are within 2 float ulps of bitsandbytes' (which computes them in float).
+const float* blockwise8_map(bool is_signed);
+
+// One state array in a StateFormat; only the members of its format are used.
+struct CompactState {
+  float* fp32 = nullptr;     // [n] kFp32
+  uint16_t* bf16 = nullptr;  // [n] kBFloat16
+  uint8_t* codes = nullptr;  // [n] kBlockwise8
+  float* absmax = nullptr;   // [blockwise8_num_blocks(n)] kBlockwise8
+};
+
+// The arrays of one compact Adam update; all of the same length n, not
+// overlapping.
+struct CompactAdamBuffers {
+  StateFormat state_format = StateFormat::kFp32;
+  ParamFormat param_format = ParamFormat::kFp32;
+  const float* grad = nullptr;     // [n] read only
+  float* param = nullptr;          // [n] kFp32: updated in place
+  uint16_t* param_bf16 = nullptr;  // [n] kBFloat16Stochastic: bf16 bits, updated in place
+  uint16_t* lowp = nullptr;        // [n] kFp32 param only: receives the new param, or null
+  LowpKind lowp_kind = LowpKind::kNone;
+  CompactState exp_avg;         // updated in place
+  CompactState exp_avg_sq;      // updated in place
+  CompactState max_exp_avg_sq;  // updated in place; only read when amsgrad
+  // Stochastic rounding of param_bf16: element i is stored as
+  //   bf16 bits = (fp32 bits + (r >> 16)) >> 16   (NaN -> 0x7FC0)
+  // which rounds the magnitude up with probability (dropped bits) / 2^16.
+  // r is a counter-based hash, so the result does not depend on the split
+  // between threads or on the ISA:
+  //   key = splitmix64(splitmix64(sr_seed) ^ sr_step)
+  //   j = sr_offset + i (64 bits), lo/hi its 32-bit halves, k0/k1 the key's
+  //   r = lowbias32(lowbias32(lo ^ k0) ^ hi ^ k1)
+  // with lowbias32(x): x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
+  // x *= 0x846CA68B; x ^= x >> 16. A parameter updated in several pieces
+  // passes each piece's position as sr_offset; sr_step is usually the step.
+  uint64_t sr_seed = 0;
+  uint64_t sr_step = 0;
+  int64_t sr_offset = 0;
+};
+
+// One Adam pass over n elements in the formats of `buffers` (see above).
+// Multithreaded at block boundaries; bitwise independent of the split and of
+// the ISA.
+void adam_update_compact(const AdamHyper& hyper, const CompactAdamBuffers& buffers, int64_t n);
+
+// Blockwise-8 conversion of whole arrays, bitwise as adam_update_compact
+// narrows and widens its states: codes[n] and absmax[blockwise8_num_blocks(n)]
+// from src[n], and back.
+void blockwise8_quantize(const float* src, uint8_t* codes, float* absmax, int64_t n,
+                         bool is_signed);
+void blockwise8_dequantize(const uint8_t* codes, const float* absmax, float* dst, int64_t n,
+                           bool is_signed);
 
 // ---- ISA selection ---------------------------------------------------------
 

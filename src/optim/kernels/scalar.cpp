@@ -49,6 +49,27 @@ struct PortableOps {
     return f;
   }
   static bool flag_any(Flag f) { return f; }
+
+  static V load_bf16(const uint16_t* p) {
+    return V{ScalarOps::load_bf16(p), ScalarOps::load_bf16(p + 1), ScalarOps::load_bf16(p + 2),
+             ScalarOps::load_bf16(p + 3)};
+  }
+  static void store_bf16_stochastic(uint16_t* dst, V v, uint64_t j, uint64_t key) {
+    for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::bf16_stochastic_bits(v[i], j + i, key);
+  }
+  static V lookup(const float* table, const uint8_t* codes) {
+    return V{table[codes[0]], table[codes[1]], table[codes[2]], table[codes[3]]};
+  }
+  static void store_codes(uint8_t* dst, V y, const float* search) {
+    for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::nearest_code(y[i], search);
+  }
+  using AbsBits = uint32_t;
+  static AbsBits absbits_none() { return 0; }
+  static AbsBits absbits_max(AbsBits acc, V v) {
+    for (int i = 0; i < kWidth; ++i) acc = ScalarOps::absbits_max(acc, v[i]);
+    return acc;
+  }
+  static uint32_t absbits_reduce(AbsBits acc) { return acc; }
 };
 #else
 using PortableOps = ScalarOps;
@@ -65,6 +86,12 @@ constexpr KernelTable kScalarTable = make_table<PortableOps>();
 const KernelTable* scalar_kernels() { return &kScalarTable; }
 
 }  // namespace detail
+
+// Here rather than in kernel_dispatch.cpp: the maps are kernel_impl.h's
+// compile-time constants, the same bits in every ISA file.
+const float* blockwise8_map(bool is_signed) {
+  return is_signed ? kBlockwise8Maps.signed_map.values : kBlockwise8Maps.unsigned_map.values;
+}
 }  // namespace kernels
 }  // namespace optim
 }  // namespace roundpipe
