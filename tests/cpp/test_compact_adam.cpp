@@ -20,6 +20,7 @@
 
 #include "models.h"
 #include "optim/adam_state.h"
+#include "expect_error.h"
 #include "optim/checks.h"
 #include "optim/kernels/kernels.h"
 
@@ -424,38 +425,21 @@ TEST(CompactAdam, ChangingStateDtypeConvertsAtTheNextStep) {
 
 // ---- errors -------------------------------------------------------------------
 
-template <typename E>
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
-void ExpectMessage(const std::string& msg, const std::vector<std::string>& fragments) {
-  ASSERT_FALSE(msg.empty()) << "no error of the expected type";
-  for (const auto& f : fragments) {
-    EXPECT_NE(msg.find(f), std::string::npos) << "missing \"" << f << "\" in: " << msg;
-  }
-}
-
 TEST(CompactAdam, RejectsAmsgradWith8BitStates) {
   const auto params = RandomParams(23);
-  ExpectMessage(ErrorOf<c10::ValueError>([&] {
+  testing::expect_message(testing::error_of<c10::ValueError>([&] {
                   Adam(params, AdamOptions().amsgrad(true).state_dtype(StateDtype::kBlockwise8));
                 }),
                 {"amsgrad is not supported with 8-bit states", "kBFloat16"});
   Adam opt(params, AdamOptions().state_dtype(StateDtype::kBlockwise8));
   static_cast<AdamOptions&>(opt.param_groups()[0].options()).amsgrad(true);
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { opt.step(); }),
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { opt.step(); }),
                 {"amsgrad is not supported with 8-bit states", "parameter group 0"});
 }
 
 TEST(CompactAdam, RejectsFp16AndComplexParameters) {
   for (auto dtype : {torch::kHalf, torch::kComplexFloat}) {
-    ExpectMessage(ErrorOf<c10::TypeError>([&] {
+    testing::expect_message(testing::error_of<c10::TypeError>([&] {
                     Adam({torch::randn({4096}), torch::randn({8}).to(dtype)},
                          AdamOptions().state_dtype(StateDtype::kBFloat16));
                   }),
@@ -476,7 +460,7 @@ TEST(CompactAdam, RejectsStatesOfTheWrongSizeOrDtypeNamingTheTensor) {
   s.exp_avg_sq_absmax(good_absmax);
   const auto b = Clones(a);
   AdamW opt_b(b, AdamWOptions().state_dtype(StateDtype::kBlockwise8));
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { Load(opt_b, bad_archive); }),
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { Load(opt_b, bad_archive); }),
                 {"AdamW: parameter 1 (group 0, position 1)", "'exp_avg_sq_absmax' has 3 elements",
                  "expected 28"});
   EXPECT_TRUE(opt_b.state().empty());
@@ -485,15 +469,15 @@ TEST(CompactAdam, RejectsStatesOfTheWrongSizeOrDtypeNamingTheTensor) {
   auto& s0 = const_cast<AdamParamState&>(StateOf(opt_a, a[0]));
   const Tensor good = s0.exp_avg();
   s0.exp_avg(torch::zeros({10}, torch::kByte));
-  ExpectMessage(
-      ErrorOf<c10::ValueError>([&] { opt_a.step(); }),
+  testing::expect_message(
+      testing::error_of<c10::ValueError>([&] { opt_a.step(); }),
       {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg' has 10 elements", "expected 4096"});
   s0.exp_avg(good.to(torch::kDouble));
-  ExpectMessage(ErrorOf<c10::TypeError>([&] { opt_a.step(); }),
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { opt_a.step(); }),
                 {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg' has dtype Double"});
   s0.exp_avg(good);
   s0.exp_avg_sq(s0.exp_avg_sq().to(torch::kFloat));
-  ExpectMessage(ErrorOf<c10::TypeError>([&] { opt_a.step(); }),
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { opt_a.step(); }),
                 {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg_sq' must be Byte"});
 }
 

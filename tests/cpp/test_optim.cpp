@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "expect_error.h"
 #include "optim/checks.h"
 #include "optim/kernels/kernels.h"
 
@@ -774,33 +775,15 @@ TEST(OptimAdamTest, StateLooksLikeLibtorchsAndArchivesInterchange) {
 
 // ---- errors ---------------------------------------------------------------
 
-// The message of the exception of type E that f throws ("" if none).
-template <typename E>
-std::string ErrorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
-void ExpectMessage(const std::string& msg, const std::vector<std::string>& fragments) {
-  ASSERT_FALSE(msg.empty()) << "no error of the expected type";
-  for (const auto& f : fragments) {
-    EXPECT_NE(msg.find(f), std::string::npos) << "missing \"" << f << "\" in: " << msg;
-  }
-}
-
 TEST(OptimAdamTest, RejectsBadParameters) {
   const Tensor good = torch::randn({4});
-  ExpectMessage(ErrorOf<c10::TypeError>([&] {
+  testing::expect_message(testing::error_of<c10::TypeError>([&] {
                   Adam({good, torch::randn({3}, torch::kDouble)});
                 }),
                 {"Adam: parameter 1 (group 0, position 1)", "float32", "Double"});
-  ExpectMessage(ErrorOf<c10::TypeError>([&] { AdamW({torch::randn({3}, torch::kHalf)}); }),
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { AdamW({torch::randn({3}, torch::kHalf)}); }),
                 {"AdamW: parameter 0", "float32"});
-  ExpectMessage(ErrorOf<c10::ValueError>([&] {
+  testing::expect_message(testing::error_of<c10::ValueError>([&] {
                   Adam({torch::randn({3, 4}).t()});
                 }),
                 {"parameter 0", "contiguous"});
@@ -808,10 +791,10 @@ TEST(OptimAdamTest, RejectsBadParameters) {
   std::vector<torch::optim::OptimizerParamGroup> groups = {
       torch::optim::OptimizerParamGroup({good, torch::randn({2})}),
       torch::optim::OptimizerParamGroup({torch::randn({2, 2}).t()})};
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { Adam(groups, AdamOptions()); }),
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { Adam(groups, AdamOptions()); }),
                 {"parameter 2 (group 1, position 0)", "contiguous"});
-  ExpectMessage(
-      ErrorOf<c10::TypeError>([&] {
+  testing::expect_message(
+      testing::error_of<c10::TypeError>([&] {
         std::vector<torch::optim::OptimizerParamGroup> g = {torch::optim::OptimizerParamGroup(
             {good}, std::make_unique<torch::optim::AdamOptions>(1e-3))};
         Adam opt(g, AdamOptions());
@@ -825,50 +808,50 @@ TEST(OptimAdamTest, RejectsBadGradientsWithoutChangingAnything) {
   Adam opt(params, AdamOptions(0.1));
   params[0].mutable_grad() = torch::ones({4});
   params[1].mutable_grad() = torch::ones({4, 3}).t();  // right shape, not contiguous
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { opt.step(); }),
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { opt.step(); }),
                 {"parameter 1", "gradient", "contiguous"});
   EXPECT_TRUE(torch::equal(params[0].detach(), before0));
   EXPECT_TRUE(opt.state().empty());
   params[1].mutable_grad() =
       torch::sparse_coo_tensor(torch::zeros({2, 1}, torch::kLong), torch::ones({1}), {3, 4});
-  ExpectMessage(ErrorOf<c10::TypeError>([&] { opt.step(); }), {"parameter 1", "gradient", "dense"});
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { opt.step(); }), {"parameter 1", "gradient", "dense"});
   params[1].mutable_grad() = torch::ones({12});  // same numel, other shape
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { opt.step(); }), {"parameter 1", "sizes [12]"});
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { opt.step(); }), {"parameter 1", "sizes [12]"});
   EXPECT_TRUE(opt.state().empty());
 }
 
 TEST(OptimAdamTest, RejectsBadOptions) {
   const std::vector<Tensor> p = {torch::randn({2})};
   auto value_error = [&](const AdamOptions& o) {
-    return ErrorOf<c10::ValueError>([&] { Adam opt(p, o); });
+    return testing::error_of<c10::ValueError>([&] { Adam opt(p, o); });
   };
-  ExpectMessage(value_error(AdamOptions(-1)), {"learning rate"});
-  ExpectMessage(value_error(AdamOptions().betas({1.0, 0.9})), {"beta", "index 0"});
-  ExpectMessage(value_error(AdamOptions().betas({0.9, -0.1})), {"beta", "index 1"});
-  ExpectMessage(value_error(AdamOptions().eps(-1e-8)), {"epsilon"});
-  ExpectMessage(value_error(AdamOptions().weight_decay(-0.1)), {"weight_decay"});
-  ExpectMessage(value_error(AdamOptions(std::nan(""))), {"learning rate"});
+  testing::expect_message(value_error(AdamOptions(-1)), {"learning rate"});
+  testing::expect_message(value_error(AdamOptions().betas({1.0, 0.9})), {"beta", "index 0"});
+  testing::expect_message(value_error(AdamOptions().betas({0.9, -0.1})), {"beta", "index 1"});
+  testing::expect_message(value_error(AdamOptions().eps(-1e-8)), {"epsilon"});
+  testing::expect_message(value_error(AdamOptions().weight_decay(-0.1)), {"weight_decay"});
+  testing::expect_message(value_error(AdamOptions(std::nan(""))), {"learning rate"});
   // Options changed after construction are checked at step().
   Adam opt(p, AdamOptions());
   p[0].mutable_grad() = torch::ones({2});
   static_cast<AdamOptions&>(opt.param_groups()[0].options()).lr(-1);
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { opt.step(); }), {"learning rate", "group 0"});
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { opt.step(); }), {"learning rate", "group 0"});
 }
 
 TEST(OptimSGDTest, RejectsBadOptionsAndParameters) {
   const std::vector<Tensor> p = {torch::randn({2})};
   auto value_error = [&](const SGDOptions& o) {
-    return ErrorOf<c10::ValueError>([&] { SGD opt(p, o); });
+    return testing::error_of<c10::ValueError>([&] { SGD opt(p, o); });
   };
-  ExpectMessage(value_error(SGDOptions(-0.1)), {"learning rate"});
-  ExpectMessage(value_error(SGDOptions(0.1).momentum(-1)), {"momentum"});
-  ExpectMessage(value_error(SGDOptions(0.1).weight_decay(-1)), {"weight_decay"});
-  ExpectMessage(value_error(SGDOptions(0.1).nesterov(true)), {"Nesterov"});
-  ExpectMessage(value_error(SGDOptions(0.1).nesterov(true).momentum(0.9).dampening(0.1)),
+  testing::expect_message(value_error(SGDOptions(-0.1)), {"learning rate"});
+  testing::expect_message(value_error(SGDOptions(0.1).momentum(-1)), {"momentum"});
+  testing::expect_message(value_error(SGDOptions(0.1).weight_decay(-1)), {"weight_decay"});
+  testing::expect_message(value_error(SGDOptions(0.1).nesterov(true)), {"Nesterov"});
+  testing::expect_message(value_error(SGDOptions(0.1).nesterov(true).momentum(0.9).dampening(0.1)),
                 {"Nesterov"});
-  ExpectMessage(ErrorOf<c10::TypeError>([&] { SGD({torch::randn({2}, torch::kDouble)}, 0.1); }),
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { SGD({torch::randn({2}, torch::kDouble)}, 0.1); }),
                 {"SGD: parameter 0", "float32"});
-  ExpectMessage(ErrorOf<c10::TypeError>([&] { SGD({torch::randn({2}).to_sparse()}, 0.1); }),
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { SGD({torch::randn({2}).to_sparse()}, 0.1); }),
                 {"SGD: parameter 0", "dense"});
 }
 
@@ -876,13 +859,13 @@ TEST(OptimSGDTest, RejectsBadLowpCopies) {
   auto params = RandomParams({{4}, {3}}, 95);
   SGD opt(params, SGDOptions(0.1));
   for (const Tensor& p : params) p.mutable_grad() = torch::ones(p.sizes());
-  ExpectMessage(ErrorOf<c10::ValueError>([&] { opt.step_with_lowp_copy({Tensor()}); }),
+  testing::expect_message(testing::error_of<c10::ValueError>([&] { opt.step_with_lowp_copy({Tensor()}); }),
                 {"1 low-precision copies for 2 parameters"});
-  ExpectMessage(ErrorOf<c10::TypeError>([&] {
+  testing::expect_message(testing::error_of<c10::TypeError>([&] {
                   opt.step_with_lowp_copy({Tensor(), torch::empty({3})});
                 }),
                 {"parameter 1", "bfloat16 or float16"});
-  ExpectMessage(ErrorOf<c10::ValueError>([&] {
+  testing::expect_message(testing::error_of<c10::ValueError>([&] {
                   opt.step_with_lowp_copy({Tensor(), torch::empty({4}, torch::kBFloat16)});
                 }),
                 {"parameter 1", "4 elements"});
