@@ -4,40 +4,85 @@
 
 #include "engine/call.h"
 #include "engine/host_store.h"
+#include "optim/kernels/kernels.h"
 
 namespace roundpipe {
 
-void GradientSums::add(int64_t id, const at::Tensor& grad) {
+void accumulate_gradient(at::Tensor& acc, const at::Tensor& x, uint64_t sr_seed, uint64_t sr_step) {
+  if (acc.scalar_type() != at::kBFloat16) {
+    acc.add_(x.to(acc.scalar_type()));
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(acc.is_contiguous() && acc.numel() == x.numel());
+  const at::Tensor xs = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  optim::kernels::add_bf16_stochastic(
+      static_cast<uint16_t*>(acc.data_ptr()),
+      xs.scalar_type() == at::kBFloat16 ? static_cast<const uint16_t*>(xs.const_data_ptr()) : nullptr,
+      xs.scalar_type() == at::kFloat ? xs.const_data_ptr<float>() : nullptr, acc.numel(), sr_seed,
+      sr_step);
+}
+
+GradientSums::GradientSums(std::vector<at::ScalarType> dtypes)
+    : dtypes_(std::move(dtypes)), sums_(dtypes_.size()) {}
+
+GradientSums::GradientSums(std::vector<at::ScalarType> dtypes, std::vector<at::Tensor> sums)
+    : dtypes_(std::move(dtypes)), sums_(std::move(sums)) {
+  TORCH_CHECK(sums_.size() == dtypes_.size(), "gradient sums: ", sums_.size(),
+              " saved for a model of ", dtypes_.size(), " parameters");
+  for (size_t id = 0; id < sums_.size(); ++id) {
+    if (sums_[id].defined()) sums_[id] = sums_[id].to(dtypes_[id]);
+  }
+}
+
+std::vector<at::ScalarType> GradientSums::sum_dtypes(const HostStore& store) {
+  std::vector<at::ScalarType> dtypes;
+  for (const HostParam& p : store.params()) {
+    const bool bf16 = p.optim.defined() && p.optim.scalar_type() == at::kBFloat16;
+    dtypes.push_back(bf16 ? at::kBFloat16 : at::kFloat);
+  }
+  return dtypes;
+}
+
+void GradientSums::add(int64_t id, const at::Tensor& grad, uint64_t sr_step) {
   at::Tensor& sum = sums_.at(static_cast<size_t>(id));
+  const at::ScalarType dtype = dtypes_[static_cast<size_t>(id)];
   if (sum.defined()) {
-    sum.add_(grad);
+    accumulate_gradient(sum, grad, static_cast<uint64_t>(id), sr_step);
   } else {
-    // An fp32 download with memory of its own is kept as it is; one that
-    // shares a download run's buffer is copied, or it would keep the whole
-    // run (up to 16 MiB of page-locked memory) until the step.
+    // A download with memory of its own is kept as it is; one that shares a
+    // download run's buffer is copied, or it would keep the whole run (up to
+    // 16 MiB of page-locked memory) until the step.
     const bool shares_run = grad.layout() == at::kStrided && grad.storage().nbytes() > grad.nbytes();
-    sum = grad.scalar_type() == at::kFloat && shares_run ? grad.clone() : grad.to(at::kFloat);
+    sum = grad.scalar_type() == dtype && shares_run ? grad.clone() : grad.to(dtype);
   }
 }
 
 void GradientSums::add(const Call& call) {
-  for (const auto& job_grads : call.grads) {
-    for (const auto& [id, grad] : job_grads) add(id, grad);
+  // Seeded by the call (its forward's id: the same in every run) and the job.
+  const uint64_t call_id = call.record ? static_cast<uint64_t>(call.record->call_id) : 0;
+  for (size_t j = 0; j < call.grads.size(); ++j) {
+    for (const auto& [id, grad] : call.grads[j]) add(id, grad, (call_id << 16) + j);
   }
 }
 
-void GradientSums::add(const GradientSums& other) {
+void GradientSums::add(const GradientSums& other, uint64_t sr_step) {
   for (size_t id = 0; id < sums_.size(); ++id) {
     const at::Tensor& grad = other.sums_.at(id);
     if (!grad.defined()) continue;
     at::Tensor& sum = sums_[id];
-    sum = sum.defined() ? sum + grad : grad;
+    if (sum.defined()) {
+      at::Tensor fresh = sum.clone();  // `sum` may be a call's download, still referenced
+      accumulate_gradient(fresh, grad, id, sr_step);
+      sum = std::move(fresh);
+    } else {
+      sum = grad.to(dtypes_[id], /*non_blocking=*/false, /*copy=*/true);
+    }
   }
 }
 
 GradientSums GradientSums::take_model_grads(HostStore& store) {
   auto& params = store.params();
-  GradientSums taken(params.size());
+  GradientSums taken(sum_dtypes(store));
   for (size_t id = 0; id < params.size(); ++id) {
     HostParam& p = params[id];
     if (!p.optim.defined() || !p.master.grad().defined()) continue;
@@ -48,7 +93,7 @@ GradientSums GradientSums::take_model_grads(HostStore& store) {
 }
 
 GradientSums GradientSums::take(const HostStore& store) {
-  GradientSums taken(sums_.size());
+  GradientSums taken(dtypes_);
   for (size_t id = 0; id < sums_.size(); ++id) {
     if (!store.params()[id].optim.defined()) continue;
     taken.sums_[id] = std::move(sums_[id]);

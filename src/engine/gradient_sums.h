@@ -1,5 +1,7 @@
-// The gradients a model's calls leave for its next step: one fp32 sum per
-// parameter, on the host. This is the one place gradients are accumulated;
+// The gradients a model's calls leave for its next step: one sum per
+// parameter, on the host, in the dtype its optimizer copy is kept in when
+// that is bf16 (the compact configuration: the one gradient copy a parameter
+// has), in fp32 otherwise. This is the one place gradients are accumulated;
 // its transitions are named:
 //   add(call)           a successful call's gradients, in job order (so a sum
 //                       does not depend on which devices ran the jobs)
@@ -10,6 +12,12 @@
 //                       parameters' .grad (add(other) sums them in)
 //   move_to_model_grads()  synchronize(): the sums move to the parameters'
 //                       .grad (model dtype), where a later step finds them
+//
+// A bf16 sum that receives a second term (several calls before a step, a
+// parameter used by several stages) adds in fp32 and rounds stochastically
+// (add_bf16_stochastic in optim/kernels/kernels.h), seeded by the parameter
+// id and the call that added it: small terms are kept on average, and the
+// result is the same on every run and for every device count.
 //
 // Thread-safety: none. The model's instance belongs to its user thread; an
 // instance taken by a step belongs to the optimizer thread from then on.
@@ -27,13 +35,18 @@ class HostStore;
 
 class GradientSums {
  public:
-  explicit GradientSums(size_t num_params = 0) : sums_(num_params) {}
-  // From saved sums (checkpoints), indexed by parameter id.
-  explicit GradientSums(std::vector<at::Tensor> sums) : sums_(std::move(sums)) {}
+  // [parameter id]: the dtype its sum is kept in (kFloat or kBFloat16).
+  explicit GradientSums(std::vector<at::ScalarType> dtypes = {});
+  // From saved sums (checkpoints), indexed by parameter id; converted to
+  // `dtypes` where they differ.
+  GradientSums(std::vector<at::ScalarType> dtypes, std::vector<at::Tensor> sums);
+  // bf16 where the parameter's optimizer copy is bf16, fp32 otherwise.
+  static std::vector<at::ScalarType> sum_dtypes(const HostStore& store);
 
   void add(const Call& call);
-  // Out of place: `other`'s tensors may be the user's.
-  void add(const GradientSums& other);
+  // Out of place: `other`'s tensors may be the user's. `sr_step` seeds the
+  // stochastic rounding of bf16 sums (distinct per use).
+  void add(const GradientSums& other, uint64_t sr_step);
   GradientSums take(const HostStore& store);
   // The .grad of the parameters that have an optimizer copy, moved out of them.
   static GradientSums take_model_grads(HostStore& store);
@@ -41,13 +54,19 @@ class GradientSums {
 
   bool empty() const;
   size_t size() const { return sums_.size(); }
-  // [parameter id]: the fp32 sum, undefined where no gradient arrived.
+  // [parameter id]: the sum, undefined where no gradient arrived.
   const std::vector<at::Tensor>& by_id() const { return sums_; }
   std::vector<at::Tensor>& by_id() { return sums_; }
 
  private:
-  void add(int64_t id, const at::Tensor& grad);
+  void add(int64_t id, const at::Tensor& grad, uint64_t sr_step);
+  std::vector<at::ScalarType> dtypes_;
   std::vector<at::Tensor> sums_;
 };
+
+// `acc` += `x` for a gradient kept in `acc`'s dtype: a bf16 `acc` (updated in
+// place) rounds stochastically, seeded by `sr_seed` and `sr_step`; any other
+// adds `x` converted to it.
+void accumulate_gradient(at::Tensor& acc, const at::Tensor& x, uint64_t sr_seed, uint64_t sr_step);
 
 }  // namespace roundpipe

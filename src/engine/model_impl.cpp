@@ -75,7 +75,7 @@ RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers_in, Round
            std::make_unique<HostStore>(with_replicas(layers, num_devices), options.pin_model,
                                        !DevicePool::instance().device(0).torch_device().is_cpu()))),
       planner(num_devices, overlap_iterations, store->layer_param_bytes()),
-      gradients(store->params().size()),
+      gradients(GradientSums::sum_dtypes(*store)),
       optimizer(name, *store, num_layers(),
                 options.sync_warmup_steps.value_or(get_sync_warmup_steps()), options.process_group,
                 options.gradient_reduction),
@@ -88,6 +88,7 @@ RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers_in, Round
   }
   if (defaults.execute_plan()) planner.check_model_plan(*defaults.execute_plan());
   optimizer.make_copies(options.optim_dtype);
+  gradients = GradientSums(GradientSums::sum_dtypes(*store));  // in the copies' dtypes
   // Packing into arenas and cloning replicas freed about the model's size
   // of heap memory: give it back to the system rather than keep it resident.
   malloc_trim(0);
@@ -177,7 +178,7 @@ void RoundPipe::Impl::import_state(State s) {
       p.optim.mutable_grad().reset();
     }
   }
-  gradients = GradientSums(std::move(s.accumulated));
+  gradients = GradientSums(GradientSums::sum_dtypes(*store), std::move(s.accumulated));
   pipeline.load_state(s.pipeline);
   optimizer.load_state(s.optimizer);
   planner.timer().load_state(s.timer);

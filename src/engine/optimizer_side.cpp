@@ -208,21 +208,30 @@ void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, GradientSums& 
     at::NoGradGuard no_grad;
     if (call && ok)
       gradients.add(*call);  // after the ones summed before it, as commit() would have
-    gradients.add(model_grads);
+    // Seeds of the stochastic rounding of bf16 sums: apart from the calls'
+    // (GradientSums::add) by the top bits, distinct per step.
+    const uint64_t step_seed = static_cast<uint64_t>(k);
+    gradients.add(model_grads, (uint64_t{1} << 63) | step_seed);
     std::vector<at::Tensor>& sums = gradients.by_id();
     for (size_t id = 0; id < sums.size(); ++id) {
       if (!store_.params()[id].optim.defined()) sums[id] = at::Tensor();  // no copy to hand it to
     }
+    // The sum becomes the copy's .grad without a copy when it is in the
+    // copy's dtype (the engine owns it: GradientSums copies the user's
+    // tensors), so a parameter holds one gradient at a time.
     auto hand_off = [&](int64_t id) {
-      const at::Tensor& sum = sums[id];
+      at::Tensor& sum = sums[id];
       at::Tensor& optim = store_.params()[id].optim;
       if (!sum.defined() || !optim.defined()) return;
       at::Tensor& grad = optim.mutable_grad();
       if (grad.defined()) {
-        grad.add_(sum.to(optim.scalar_type()));
-      } else {
+        accumulate_gradient(grad, sum, static_cast<uint64_t>(id), (uint64_t{1} << 62) | step_seed);
+      } else if (sum.scalar_type() == optim.scalar_type() && !sum.is_view()) {
+        grad = sum;
+      } else {  // a view (of a reduction's bucket) is copied: optimizers detach .grad in place
         grad = sum.to(optim.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
+      sum = at::Tensor();
     };
     if (group_) {
       reduce_gradients(*group_, reduction_, store_, sums, hand_off, "");

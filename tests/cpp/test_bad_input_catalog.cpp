@@ -37,6 +37,7 @@
 #include "models.h"
 #include "roundpipe/optim/adam.h"
 #include "roundpipe/optim/sgd.h"
+#include "scratch_dir.h"
 
 namespace roundpipe {
 namespace testing {
@@ -89,14 +90,7 @@ std::string check_throws(const std::function<void()>& call, Kind kind, const std
   return "";
 }
 
-std::string temp_dir() {
-  static std::string dir = [] {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "roundpipe_badin_XXXXXX").string();
-    EXPECT_NE(::mkdtemp(tmpl.data()), nullptr);
-    return tmpl;
-  }();
-  return dir;
-}
+std::string temp_dir() { return scratch_dir("roundpipe_badin_"); }
 
 std::string temp_path(const std::string& name) { return temp_dir() + "/" + name; }
 

@@ -22,6 +22,7 @@
 #include "engine/engine_access.h"
 #include "engine/model_impl.h"
 #include "models.h"
+#include "scratch_dir.h"
 
 extern char** environ;
 
@@ -31,14 +32,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string temp_dir() {
-  static std::string dir = [] {
-    std::string d = ::testing::TempDir() + "roundpipe_ckpt_" + std::to_string(::getpid());
-    ::mkdir(d.c_str(), 0755);
-    return d;
-  }();
-  return dir;
-}
+std::string temp_dir() { return scratch_dir("roundpipe_ckpt_"); }
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

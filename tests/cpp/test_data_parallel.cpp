@@ -18,6 +18,7 @@
 
 #include "models.h"
 #include "roundpipe/optim/adam.h"
+#include "scratch_dir.h"
 
 extern char** environ;
 
@@ -29,14 +30,7 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kRowsPerRank = 4, kMicrobatchesPerRank = 2;
 
-std::string temp_dir() {
-  static std::string dir = [] {
-    std::string d = ::testing::TempDir() + "roundpipe_dp_" + std::to_string(::getpid());
-    ::mkdir(d.c_str(), 0755);
-    return d;
-  }();
-  return dir;
-}
+std::string temp_dir() { return scratch_dir("roundpipe_dp_"); }
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path);

@@ -117,7 +117,7 @@ TEST(HostHandoff, AnFp32GradientSharingADownloadRunIsCopiedOutOfIt) {
   at::Tensor own = at::full({7}, 2.0);
   Call call;
   call.grads = {{{0, part}, {1, own}}};
-  GradientSums sums(2);
+  GradientSums sums({at::kFloat, at::kFloat});
   sums.add(call);
   EXPECT_EQ(sums.by_id()[0].storage().nbytes(), 10 * sizeof(float)) << "not the whole run";
   EXPECT_TRUE(sums.by_id()[0].equal(part));

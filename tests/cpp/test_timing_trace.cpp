@@ -105,7 +105,8 @@ TEST(Overlap, NextStageUploadsWhileThisStageComputesAndComputeWaitsOnlyForItsOwn
   const RunConfig cfg = RunConfig().num_microbatch(3).execute_plan(plan);
   at::Tensor x = torch::randn({6, 64});
   LossFn loss_fn = [](const c10::IValue& out, const c10::IValue&) -> c10::IValue { return out.toTensor().square().mean(); };
-  char path[] = "/tmp/roundpipe_overlap_XXXXXX";
+  std::string path_buf = ::testing::TempDir() + "roundpipe_overlap_XXXXXX";
+  char* path = path_buf.data();
   const int fd = mkstemp(path);
   ASSERT_GE(fd, 0);
   close(fd);

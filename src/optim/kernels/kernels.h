@@ -234,6 +234,16 @@ void blockwise8_quantize(const float* src, uint8_t* codes, float* absmax, int64_
 void blockwise8_dequantize(const uint8_t* codes, const float* absmax, float* dst, int64_t n,
                            bool is_signed);
 
+// ---- bf16 sums ----------------------------------------------------------------
+//
+// acc[i] <- widen(acc[i]) + x[i] in fp32, stored in bf16 with the stochastic
+// rounding of CompactAdamBuffers (key = splitmix64(splitmix64(seed) ^ step),
+// element j = i), so that adding many small bf16 terms keeps their sum on
+// average. Exactly one of x_bf16 / x_fp32 is non-null. Scalar code on the
+// caller's thread: every ISA gives the same bits.
+void add_bf16_stochastic(uint16_t* acc, const uint16_t* x_bf16, const float* x_fp32, int64_t n,
+                         uint64_t seed, uint64_t step);
+
 // ---- ISA selection ---------------------------------------------------------
 
 const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512"

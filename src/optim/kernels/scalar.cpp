@@ -92,6 +92,18 @@ const KernelTable* scalar_kernels() { return &kScalarTable; }
 const float* blockwise8_map(bool is_signed) {
   return is_signed ? kBlockwise8Maps.signed_map.values : kBlockwise8Maps.unsigned_map.values;
 }
+
+// Here for the same reason: ScalarOps' stochastic rounding is the one the
+// vector paths of adam_update_compact repeat.
+void add_bf16_stochastic(uint16_t* acc, const uint16_t* x_bf16, const float* x_fp32, int64_t n,
+                         uint64_t seed, uint64_t step) {
+  const uint64_t key = sr_key(seed, step);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = x_bf16 != nullptr ? ScalarOps::load_bf16(x_bf16 + i) : x_fp32[i];
+    const float sum = ScalarOps::load_bf16(acc + i) + x;
+    acc[i] = ScalarOps::bf16_stochastic_bits(sum, static_cast<uint64_t>(i), key);
+  }
+}
 }  // namespace kernels
 }  // namespace optim
 }  // namespace roundpipe
