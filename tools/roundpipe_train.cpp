@@ -10,7 +10,8 @@
 //
 // The training loop, top to bottom (run()):
 //   model: preset/config -> make_decoder -> weights -> dtype -> RoundPipe
-//   optimizer: roundpipe::optim::AdamW over the fp32 optimizer copies
+//   optimizer: roundpipe::optim::AdamW over the optimizer copies (fp32; with
+//             --optimizer-state compact 8-bit moments and, for bf16, bf16 copies)
 //   per step: next batch -> forward_backward (loss on the devices) ->
 //             step(step_fn) queued on the optimizer thread: lr of this step,
 //             [unscale], global norm + clipping, AdamW step, zero_grad.
@@ -133,13 +134,18 @@ class NormLog {
   std::map<int64_t, double> norms_;  // guarded by mu_
 };
 
-// The global L2 norm of the gradients of `params` (fp32 optimizer copies);
-// when max_norm > 0 and the norm exceeds it, scales them down to max_norm
-// (as torch.nn.utils.clip_grad_norm_). Runs on the optimizer thread.
+// The global L2 norm of the gradients of `params` (the optimizer copies,
+// fp32 or bf16); when max_norm > 0 and the norm exceeds it, scales them down
+// to max_norm (as torch.nn.utils.clip_grad_norm_). Runs on the optimizer thread.
 double clip_gradients(const std::vector<at::Tensor>& params, double max_norm) {
   std::vector<at::Tensor> norms;
   for (const at::Tensor& p : params) {
-    if (p.grad().defined()) norms.push_back(p.grad().norm(2).to(at::kDouble));
+    // Accumulated and returned in fp32 whatever the gradient's dtype: a bf16
+    // result would carry only 3 significant digits into the clipping factor.
+    if (p.grad().defined()) {
+      norms.push_back(
+          at::linalg_vector_norm(p.grad(), 2, std::nullopt, false, at::kFloat).to(at::kDouble));
+    }
   }
   if (norms.empty()) return 0.0;
   const double total = at::stack(norms).norm(2).item<double>();
@@ -251,15 +257,35 @@ int run(const TrainOptions& o) {
                     std::to_string(adapted) + " projections)";
   }
 
+  const bool compact = o.optimizer_state == "compact";
   RoundPipeOptions mo;
   mo.set_name("train").set_seed(o.seed).set_run_config(RunConfig().num_microbatch(microbatches));
-  if (dtype != at::kFloat) mo.set_optim_dtype(at::kFloat);
+  // Optimizer copies: fp32 for a bf16/fp16 model, except that the compact
+  // state keeps a bf16 model's copies in bf16 (validate() refuses fp16).
+  const at::ScalarType optim_dtype = compact ? dtype : at::kFloat;
+  if (dtype != at::kFloat) mo.set_optim_dtype(optim_dtype);
   RoundPipe model(net, mo);
 
   const std::vector<at::Tensor> optim_params = model.optim_parameters();
-  optim::AdamW optimizer(optim_params, optim::AdamWOptions(o.lr)
-                                           .betas(std::make_tuple(o.beta1, o.beta2))
-                                           .weight_decay(o.weight_decay));
+  const optim::StateDtype state_dtype =
+      compact ? optim::StateDtype::kBlockwise8 : optim::StateDtype::kFloat32;
+  optim::AdamWOptions adamw_options(o.lr);
+  adamw_options.betas(std::make_tuple(o.beta1, o.beta2))
+      .weight_decay(o.weight_decay)
+      .state_dtype(state_dtype);
+  std::unique_ptr<optim::AdamW> adamw;
+  try {
+    adamw = std::make_unique<optim::AdamW>(optim_params, adamw_options);
+  } catch (const c10::TypeError& e) {
+    if (optim_dtype == at::kFloat) throw;
+    // A loud failure, never a silent switch to fp32 copies: the run asked
+    // for the compact state's memory.
+    fail(std::string("--optimizer-state compact keeps bf16 optimizer copies, which this build's "
+                     "AdamW does not accept (") +
+         e.what_without_backtrace() +
+         "); use --optimizer-state fp32, or --dtype fp32 for fp32 copies with 8-bit moments");
+  }
+  optim::AdamW& optimizer = *adamw;
   std::unique_ptr<GradScaler> scaler;
   if (dtype == at::kHalf) scaler = std::make_unique<GradScaler>();
   GradScaler* const sc = scaler.get();
@@ -283,6 +309,7 @@ int run(const TrainOptions& o) {
                            {"model_type", cfg.model_type},
                            {"config", source},
                            {"dtype", o.dtype},
+                           {"optimizer_state", o.optimizer_state},
                            {"seq_len", o.seq_len},
                            {"batch_size", o.batch_size},
                            {"steps", o.steps},
@@ -340,6 +367,12 @@ int run(const TrainOptions& o) {
       "decay %g, clip %s; optimizer one step behind%s\n",
       o.lr, o.min_lr, (long long)o.warmup_steps, o.beta1, o.beta2, o.weight_decay, clip_text,
       sc ? ", fp16 loss scaling" : "");
+  std::printf("  state    %s: %s optimizer copies, %s AdamW moments", o.optimizer_state.c_str(),
+              optim_dtype == at::kBFloat16 ? "bf16" : "fp32", compact ? "blockwise 8-bit" : "fp32");
+  if (compact) {
+    std::printf(" (fp32 for tensors under %lld elements)", (long long)optim::kMinBlockwise8Numel);
+  }
+  std::printf("\n");
   const std::string eval_when =
       data.eval.empty()  ? std::string("no evaluation data")
       : o.eval_every > 0 ? "eval every " + std::to_string(o.eval_every) + " and at the end"

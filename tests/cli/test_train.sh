@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CLI test of roundpipe-train (run by CTest): the loss falls on the embedded
 # default, bad flags fail cleanly with a message, Hugging Face weights and
-# token files load, and a resumed run repeats the uninterrupted run's losses
-# exactly.
+# token files load, a resumed run repeats the uninterrupted run's losses
+# exactly, and the compact optimizer state trains and resumes.
 #
 #   tests/cli/test_train.sh path/to/roundpipe-train
 set -uo pipefail
@@ -71,6 +71,8 @@ bad "checkpoint" --save-every 5
 bad "min-lr" --lr 1e-4 --min-lr 1e-3
 bad "ROUNDPIPE_DEVICES" --devices cpu:zero --steps 1
 bad "bf16" --devices cpu:1 --dtype fp16 --steps 1
+bad "optimizer-state" --optimizer-state int8
+bad "not supported with --dtype fp16" --dtype fp16 --optimizer-state compact
 printf 'abc' >"$tmp/odd.bin"
 bad "odd.bin" --data "$tmp/odd.bin" --steps 1
 
@@ -171,6 +173,53 @@ else
   "$bin" "${small[@]}" --steps 100000 --stop-after "$(( $(grep -o 'stopping after step [0-9]*' "$tmp/int.log" | grep -o '[0-9]*$') + 2 ))" \
       --resume "$tmp/int.ckpt" >"$tmp/int2.log" 2>&1 || { fail "resume after SIGINT"; cat "$tmp/int2.log"; }
   echo "SIGINT: exit 130 with a checkpoint that resumes"
+fi
+
+# 6-7. --optimizer-state compact: the loss falls as in 1, the start-up log
+# names the state, and a resumed run repeats the uninterrupted one exactly
+# (8-bit moments and their block scales round-trip through the checkpoint).
+#   compact_checks NAME EXPECTED-STATE-LINE FLAGS...
+compact_checks() {
+  local name=$1 state=$2; shift 2
+  local args=("${small[@]}" --optimizer-state compact "$@")
+  if ! "$bin" "${args[@]}" --steps 50 --metrics "$tmp/$name.jsonl" >"$tmp/$name.log" 2>&1; then
+    return 1
+  fi
+  grep -q "$state" "$tmp/$name.log" || { fail "$name: no '$state' in the start-up log"; cat "$tmp/$name.log"; }
+  python3 - "$tmp/$name.jsonl" <<'PY' || fail "$name: loss did not fall (see above)"
+import json, math, sys
+train = [r for r in map(json.loads, open(sys.argv[1])) if r["type"] == "train"]
+first, last5 = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
+print(f"compact: loss {first:.4f} -> mean of last 5 {last5:.4f}")
+assert math.isfinite(last5) and last5 < 0.85 * first, f"{last5} is not 15% below {first}"
+assert all(math.isfinite(r["grad_norm"]) for r in train), "a gradient norm is not finite"
+PY
+  local run=("${args[@]}" --steps 20 --save-every 10)
+  "$bin" "${run[@]}" --checkpoint "$tmp/$name-a.ckpt" --metrics "$tmp/$name-a.jsonl" >"$tmp/$name-a.log" 2>&1 || { fail "$name: run a"; cat "$tmp/$name-a.log"; }
+  "$bin" "${run[@]}" --stop-after 10 --checkpoint "$tmp/$name-b.ckpt" --metrics "$tmp/$name-b.jsonl" >"$tmp/$name-b.log" 2>&1 || { fail "$name: run b"; cat "$tmp/$name-b.log"; }
+  "$bin" "${run[@]}" --resume "$tmp/$name-b.ckpt" --checkpoint "$tmp/$name-c.ckpt" --metrics "$tmp/$name-c.jsonl" >"$tmp/$name-c.log" 2>&1 || { fail "$name: run c"; cat "$tmp/$name-c.log"; }
+  losses "$tmp/$name-a.jsonl" >"$tmp/$name-a.txt"
+  (losses "$tmp/$name-b.jsonl"; losses "$tmp/$name-c.jsonl") >"$tmp/$name-bc.txt"
+  if [ "$(wc -l <"$tmp/$name-a.txt")" -ne 20 ] || ! cmp -s "$tmp/$name-a.txt" "$tmp/$name-bc.txt"; then
+    fail "$name: resumed losses differ from the uninterrupted run's:"; diff "$tmp/$name-a.txt" "$tmp/$name-bc.txt"
+  else
+    echo "$name: resume at step 10 repeats steps 11..20 exactly"
+  fi
+}
+# 6. fp32 model: fp32 optimizer copies, 8-bit moments.
+compact_checks compact-fp32 "state    compact: fp32 optimizer copies, blockwise 8-bit AdamW moments" \
+  --dtype fp32 || { fail "compact-fp32: training run exited non-zero"; cat "$tmp/compact-fp32.log"; }
+# 7. bf16 model: bf16 optimizer copies (gradients and clipping in bf16 too).
+# Until AdamW accepts bf16 parameters the run fails with the message matched
+# below, and this check reports SKIP; once it does, the check runs in full.
+# Delete the SKIP branch then, so that a regression fails here.
+if ! compact_checks compact-bf16 "state    compact: bf16 optimizer copies, blockwise 8-bit AdamW moments" --dtype bf16; then
+  if grep -q "does not accept" "$tmp/compact-bf16.log"; then
+    echo "SKIP: compact-bf16 (AdamW rejects bf16 optimizer copies in this build):"
+    grep "does not accept" "$tmp/compact-bf16.log"
+  else
+    fail "compact-bf16: training run exited non-zero"; cat "$tmp/compact-bf16.log"
+  fi
 fi
 
 if [ "$failures" -ne 0 ]; then

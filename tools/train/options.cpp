@@ -35,8 +35,8 @@ void add_options(CLI::App& app, TrainOptions& o) {
       ->check(positive)
       ->capture_default_str();
   app.add_option("--dtype", o.dtype,
-                 "model dtype: fp32, bf16 or fp16 (bf16/fp16 keep fp32 optimizer copies; fp16 "
-                 "uses loss scaling)")
+                 "model dtype: fp32, bf16 or fp16 (bf16/fp16 keep fp32 optimizer copies unless "
+                 "--optimizer-state compact; fp16 uses loss scaling)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
 
@@ -102,6 +102,13 @@ void add_options(CLI::App& app, TrainOptions& o) {
       ->check(non_negative)
       ->capture_default_str();
 
+  app.add_option("--optimizer-state", o.optimizer_state,
+                 "fp32: fp32 optimizer copies and AdamW moments (18 B/parameter with a bf16 "
+                 "model); compact: blockwise 8-bit moments and, for a bf16 model, bf16 "
+                 "optimizer copies")
+      ->check(CLI::IsMember({"fp32", "compact"}))
+      ->capture_default_str();
+
   app.add_option("--eval-every", o.eval_every, "evaluate every N steps (0: only at the end)")
       ->check(non_negative)
       ->capture_default_str();
@@ -164,6 +171,12 @@ void validate(TrainOptions& o) {
   if (o.microbatches > o.batch_size) {
     fail("--microbatches (" + std::to_string(o.microbatches) + ") must not exceed --batch-size (" +
          std::to_string(o.batch_size) + "): each microbatch needs at least one sequence");
+  }
+  if (o.optimizer_state == "compact" && o.dtype == "fp16") {
+    // fp16 copies would lose small updates (no stochastic rounding for fp16),
+    // and fp16 loss scaling unscales into fp32 copies.
+    fail("--optimizer-state compact is not supported with --dtype fp16: use --dtype bf16 (bf16 "
+         "optimizer copies) or keep --optimizer-state fp32");
   }
   if (o.save_every > 0 && o.checkpoint.empty()) fail("--save-every needs --checkpoint PATH");
   if (o.lora_rank > 0 && split_list(o.lora_targets).empty()) fail("--lora-targets lists no module");

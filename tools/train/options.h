@@ -47,6 +47,9 @@ struct TrainOptions {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double clip_grad_norm = 1.0;  // 0: off
+  // fp32 | compact: compact keeps the AdamW moments in blockwise 8-bit form
+  // and, for a bf16 model, the optimizer copies in bf16 (docs/train.md).
+  std::string optimizer_state = "fp32";
   // Evaluation, checkpoints, outputs.
   int64_t eval_every = 100;  // 0: only at the end
   int64_t save_every = 0;    // 0: only at the end (when --checkpoint is given)

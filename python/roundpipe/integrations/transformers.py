@@ -33,6 +33,8 @@ import transformers
 from .._model import RoundPipe
 from ..auto import wrap_model_to_roundpipe
 from ..checkpoint import load_checkpoint, save_checkpoint
+from .. import optimizer_state as _optimizer_state
+from .. import optim as _optim
 from ..optimizer_ctx import OptimizerCtx
 from ..run_config import RoundPipeRunConfig
 
@@ -55,13 +57,28 @@ class RoundPipeConfig:
     - ``num_microbatch``: microbatches per batch (default: devices + 1).
     - ``optim_dtype``: dtype of the optimizer copies (e.g. ``torch.float32``
       for a bf16 model).
+    - ``optimizer_state``: ``"fp32"`` (default: Trainer's optimizer, as
+      ``TrainingArguments.optim`` chooses it) or ``"compact"``:
+      ``roundpipe.optim.AdamW8bit`` (8-bit moments) with Trainer's learning
+      rate, betas, epsilon and weight decay, and optimizer copies in the
+      model's dtype (bf16 for a bf16 model) unless ``optim_dtype`` is given
+      (roundpipe.optimizer_state).
     - ``wrap_kwargs``: further keywords for ``wrap_model_to_roundpipe``
       (``model_run_config``, ``pin_model``, ``sync_warmup_steps``, ...).
     """
     is_async: bool = True
     num_microbatch: Optional[int] = None
     optim_dtype: Optional[torch.dtype] = None
+    optimizer_state: str = "fp32"
     wrap_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        _optimizer_state.check("RoundPipeConfig", self.optimizer_state)
+
+
+# TrainingArguments.optim values that ask for AdamW itself, which
+# optimizer_state="compact" replaces by AdamW8bit; anything else conflicts.
+_PLAIN_ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
 # Trainer's loop calls optimizer.step() and lr_scheduler.step() on the main
@@ -241,6 +258,9 @@ class RoundPipeTrainerMixin:
                 kwargs["model_run_config"] = RoundPipeRunConfig(num_microbatch=config.num_microbatch)
             if config.optim_dtype is not None:
                 kwargs["optim_dtype"] = config.optim_dtype
+            elif config.optimizer_state == "compact":
+                kwargs["optim_dtype"] = _optimizer_state.optim_dtype_for(
+                    f"{type(self).__name__}: RoundPipeConfig", self.model, "compact")
             kwargs.setdefault("name", type(self.model).__name__)
             self._roundpipe = wrap_model_to_roundpipe(self.model, **kwargs)
         return self._roundpipe
@@ -266,8 +286,26 @@ class RoundPipeTrainerMixin:
     def create_optimizer(self, model=None):
         roundpipe_model = self.roundpipe_model
         if self.optimizer is None:
-            with OptimizerCtx():  # the optimizer over the copies the optimizer thread updates
-                super().create_optimizer(roundpipe_model)
+            compact = self._roundpipe_config.optimizer_state == "compact"
+            saved = getattr(self, "optimizer_cls_and_kwargs", None)
+            if compact:
+                # Trainer still builds the parameter groups (weight decay off
+                # for biases and norms); only the optimizer class differs.
+                optim = str(getattr(self.args.optim, "value", self.args.optim))
+                if saved is not None or optim not in _PLAIN_ADAMW:
+                    asked = saved[0].__name__ if saved is not None else f"optim={optim!r}"
+                    raise ValueError(f"{type(self).__name__}: RoundPipeConfig(optimizer_state='compact') uses "
+                                     f"roundpipe.optim.AdamW8bit, but {asked} asks for another optimizer; leave "
+                                     "TrainingArguments.optim at adamw_torch or use optimizer_state='fp32'")
+                self.optimizer_cls_and_kwargs = (_optim.AdamW8bit, {
+                    "lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                    "eps": self.args.adam_epsilon})
+            try:
+                with OptimizerCtx():  # the optimizer over the copies the optimizer thread updates
+                    super().create_optimizer(roundpipe_model)
+            finally:
+                if compact:
+                    self.optimizer_cls_and_kwargs = saved
         else:
             copies = {id(p) for p in roundpipe_model.optim_parameters()}
             if any(id(p) not in copies for group in self.optimizer.param_groups for p in group["params"]):
