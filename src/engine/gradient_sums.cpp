@@ -57,12 +57,13 @@ void GradientSums::add(int64_t id, const at::Tensor& grad, uint64_t sr_step) {
   }
 }
 
-void GradientSums::add(const Call& call) {
+void GradientSums::add(Call& call) {
   // Seeded by the call (its forward's id: the same in every run) and the job.
   const uint64_t call_id = call.record ? static_cast<uint64_t>(call.record->call_id) : 0;
   for (size_t j = 0; j < call.grads.size(); ++j) {
     for (const auto& [id, grad] : call.grads[j]) add(id, grad, (call_id << 16) + j);
   }
+  call.grads.clear();
 }
 
 void GradientSums::add(const GradientSums& other, uint64_t sr_step) {

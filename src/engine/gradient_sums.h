@@ -3,8 +3,9 @@
 // that is bf16 (the compact configuration: the one gradient copy a parameter
 // has), in fp32 otherwise. This is the one place gradients are accumulated;
 // its transitions are named:
-//   add(call)           a successful call's gradients, in job order (so a sum
-//                       does not depend on which devices ran the jobs)
+//   add(call)           a successful call's gradients, taken out of it in job
+//                       order (so a sum does not depend on which devices ran
+//                       the jobs)
 //   take(store)         a step takes the sums of the parameters that have an
 //                       optimizer copy; the calls after it sum afresh (the
 //                       others stay, for synchronize)
@@ -43,7 +44,9 @@ class GradientSums {
   // bf16 where the parameter's optimizer copy is bf16, fp32 otherwise.
   static std::vector<at::ScalarType> sum_dtypes(const HostStore& store);
 
-  void add(const Call& call);
+  // Takes the call's gradients: the call holds none afterwards (its host
+  // downloads are freed as soon as nothing else holds them).
+  void add(Call& call);
   // Out of place: `other`'s tensors may be the user's. `sr_step` seeds the
   // stochastic rounding of bf16 sums (distinct per use).
   void add(const GradientSums& other, uint64_t sr_step);

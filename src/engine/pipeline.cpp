@@ -228,7 +228,7 @@ void Pipeline::run(const std::shared_ptr<Call>& call) {
   finish(*call);
 }
 
-void Pipeline::commit(const Call& call) {
+void Pipeline::commit(Call& call) {
   gradients_.add(call);
   commit_buffers(call);
 }

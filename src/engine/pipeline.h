@@ -86,7 +86,7 @@ class Pipeline {
   // Runs `call` to its end (after the call in flight); rethrows its first
   // error. commit() applies it.
   void run(const std::shared_ptr<Call>& call);
-  void commit(const Call& call);
+  void commit(Call& call);
 
   // For a step: the call in flight, whose gradients the step sums itself.
   std::shared_ptr<Call> take_in_flight();

@@ -122,6 +122,7 @@ TEST(HostHandoff, AnFp32GradientSharingADownloadRunIsCopiedOutOfIt) {
   EXPECT_EQ(sums.by_id()[0].storage().nbytes(), 10 * sizeof(float)) << "not the whole run";
   EXPECT_TRUE(sums.by_id()[0].equal(part));
   EXPECT_TRUE(sums.by_id()[1].is_same(own)) << "memory of its own is kept as it is, not copied";
+  EXPECT_TRUE(call.grads.empty()) << "taken out of the call";
 }
 
 }  // namespace
