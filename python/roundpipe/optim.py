@@ -1,7 +1,8 @@
 """Vectorized CPU optimizers (docs/python.md, "API summary"): drop-ins for
 torch.optim.Adam, AdamW and SGD over fp32 or complex64, contiguous, dense
 CPU tensors (the optimizer copies; complex tensors are updated as pairs of
-reals, as torch.optim does).
+reals, as torch.optim does). Adam and AdamW also update bfloat16 parameters,
+in fp32 and stored with stochastic rounding (see Adam).
 
 Same update math as torch.optim's single-tensor implementations (results
 within 1e-6 relative), same state dict layout; the update of each parameter
@@ -60,6 +61,34 @@ def _state_format(state_dtype, param):
     return state_dtype
 
 
+# The parameter dtypes each optimizer updates, for the message that refuses others.
+_ADAM_DTYPES = (torch.float32, torch.bfloat16, torch.complex64)
+_SGD_DTYPES = (torch.float32, torch.complex64)
+
+
+def _check_param_dtypes(name, param_groups, accepted, what):
+    """TypeError naming the first parameter whose dtype is not `accepted`."""
+    index = 0
+    for g, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.dtype not in accepted:
+                raise TypeError(f"roundpipe.optim.{name}: parameter {index} (group {g}, position {i}) "
+                                f"{tuple(p.shape)} is {p.dtype}; accepted: {what}")
+            index += 1
+
+
+def _places(param_groups):
+    """{id(param): (index over all groups, group, position)}: what names a
+    parameter in messages and seeds the stochastic rounding of a bf16 one."""
+    places = {}
+    index = 0
+    for g, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            places[id(p)] = (index, g, i)
+            index += 1
+    return places
+
+
 def _closure_loss(closure):
     if closure is None:
         return None
@@ -76,9 +105,20 @@ class Adam(torch.optim.Optimizer):
     step) or ``"int8"`` (8-bit blockwise as bitsandbytes' Adam8bit, about 2
     bytes: uint8 codes in ``exp_avg``/``exp_avg_sq`` and one float32 scale per
     256 elements in ``exp_avg_absmax``/``exp_avg_sq_absmax``; tensors under 4096
-    elements keep fp32 states; no amsgrad). Compact states need float32
-    parameters. load_state_dict() converts the loaded states to each group's
-    state_dtype (which it keeps: it is not taken from the loaded dict).
+    elements keep fp32 states; no amsgrad). load_state_dict() converts the
+    loaded states to each group's state_dtype (which it keeps: it is not taken
+    from the loaded dict).
+
+    Parameters: float32, complex64 (fp32 states only) or bfloat16. A bfloat16
+    parameter (with a bf16 or fp32 gradient) is its own optimizer copy, 2 bytes
+    per element instead of 4 and no compensation term: each step widens it to
+    fp32, runs the fp32 update with the group's states (any state_dtype,
+    amsgrad too) and stores it with stochastic rounding, so updates far below
+    half a bf16 ulp still move it on average. The rounding draws from a hash
+    seeded by the parameter's index over all groups and the state's step (the
+    exact rule: roundpipe/optim/adam.h), so runs, and runs resumed from a
+    state dict, repeat bitwise on any SIMD path and thread count. Other dtypes
+    (float16, float64, complex128) are a TypeError naming the parameter.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
@@ -117,13 +157,18 @@ class Adam(torch.optim.Optimizer):
         if group["state_dtype"] == "int8" and group["amsgrad"]:
             raise ValueError(f"roundpipe.optim.{name}: amsgrad is not supported with state_dtype='int8' "
                              f"(parameter group {g}); use state_dtype=torch.bfloat16 or torch.float32")
+        _check_param_dtypes(name, self.param_groups[:g] + [group], _ADAM_DTYPES,
+                            "torch.float32, torch.bfloat16 (stored with stochastic rounding) or "
+                            "torch.complex64")
         if group["state_dtype"] != "float32":
+            index = sum(len(other["params"]) for other in self.param_groups[:g])
             for i, p in enumerate(group["params"]):
-                if p.dtype != torch.float32:
+                if p.dtype == torch.complex64:
                     raise ValueError(
-                        f"roundpipe.optim.{name}: parameter {i} of group {g} ({tuple(p.shape)}) is {p.dtype}; "
-                        f"state_dtype={group['state_dtype']!r} supports float32 parameters only (use "
-                        "state_dtype=torch.float32 for this parameter's group)")
+                        f"roundpipe.optim.{name}: parameter {index + i} (group {g}, position {i}) "
+                        f"{tuple(p.shape)} is {p.dtype}; state_dtype={group['state_dtype']!r} supports "
+                        "float32 and bfloat16 parameters only (use state_dtype=torch.float32 for this "
+                        "parameter's group)")
 
     def _param_index(self, param):
         index = 0
@@ -186,10 +231,13 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
+        places = _places(self.param_groups)
         for g, group in enumerate(self.param_groups):
             self._check_group(g, group)
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
-            compact = {k: [] for k in ("params", "grads", "steps") + _STATE_KEYS}
+            # Parameters with compact states or bf16 parameters: one kernel
+            # widens and narrows what is stored in fewer bytes.
+            compact = {k: [] for k in ("places", "params", "grads", "steps") + _STATE_KEYS}
             amsgrad = group["amsgrad"]
             for p in group["params"]:
                 if p.grad is None:
@@ -198,21 +246,26 @@ class Adam(torch.optim.Optimizer):
                     raise RuntimeError("Adam does not support sparse gradients")
                 state = self.state[p]
                 want = _state_format(group["state_dtype"], p)
+                # fp32 states of a bf16 parameter are float32, not its dtype.
+                fp32_states = torch.float32 if p.dtype == torch.bfloat16 else p.dtype
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=fp32_states)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=fp32_states)
                     if amsgrad:
-                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format,
+                                                                   dtype=fp32_states)
                     if want != "float32":
                         self._conform_state(p, state, want)
                 elif _STORED_FORMAT.get(state["exp_avg"].dtype, want) != want:
                     # A state in another format (state_dtype changed, or set by hand).
                     self._conform_state(p, state, want)
                 if amsgrad and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = (torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["max_exp_avg_sq"] = (torch.zeros_like(p, memory_format=torch.preserve_format,
+                                                                dtype=fp32_states)
                                                if want == "float32" else torch.zeros_like(state["exp_avg_sq"]))
-                if want != "float32":
+                if want != "float32" or p.dtype == torch.bfloat16:
+                    compact["places"].append(places[id(p)])
                     compact["params"].append(p)
                     compact["grads"].append(p.grad)
                     compact["steps"].append(state["step"])
@@ -237,8 +290,8 @@ class Adam(torch.optim.Optimizer):
                     s += 1
             if compact["params"]:
                 counts = [int(s.item()) + 1 for s in compact["steps"]]
-                _C.adam_step_compact(compact["params"], compact["grads"], *(compact[k] for k in _STATE_KEYS), counts,
-                                     *hyper)
+                _C.adam_step_compact(compact["places"], compact["params"], compact["grads"],
+                                     *(compact[k] for k in _STATE_KEYS), counts, *hyper)
                 for s in compact["steps"]:
                     s += 1
         return loss
@@ -280,7 +333,10 @@ class AdamW8bit(AdamW):
 
 class SGD(torch.optim.Optimizer):
     """torch.optim.SGD's interface (momentum, dampening, nesterov,
-    weight_decay, maximize)."""
+    weight_decay, maximize). float32 and complex64 parameters; others
+    (bfloat16 included) are a TypeError naming the parameter at step()."""
+
+    _ACCEPTED = "torch.float32 or torch.complex64 (bfloat16 parameters: use Adam/AdamW)"
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None):
@@ -309,6 +365,7 @@ class SGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
+        _check_param_dtypes("SGD", self.param_groups, _SGD_DTYPES, self._ACCEPTED)
         for group in self.param_groups:
             params, grads, buffers, first = [], [], [], []
             momentum = group["momentum"]

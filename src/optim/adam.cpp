@@ -53,7 +53,7 @@ void check_groups(const char* name, std::vector<OptimizerParamGroup>& groups) {
   for (size_t g = 0; g < groups.size(); ++g) {
     check_options(name, options_of(name, groups[g], g), "parameter group " + std::to_string(g));
   }
-  detail::check_params(name, groups);
+  detail::check_params(name, groups, detail::ParamDtypes::kFloat32OrBFloat16);
 }
 
 // The state of `slot` as our AdamParamState: a libtorch AdamParamState (put
@@ -166,7 +166,8 @@ void AdamOptions::set_lr(const double lr) { this->lr(lr); }
 // ---- Adam ----------------------------------------------------------------
 
 Adam::Adam(const char* name, std::vector<OptimizerParamGroup> param_groups, AdamOptions defaults)
-    : torch::optim::Optimizer(detail::checked_groups(name, std::move(param_groups)),
+    : torch::optim::Optimizer(detail::checked_groups(name, std::move(param_groups),
+                                                     detail::ParamDtypes::kFloat32OrBFloat16),
                               std::make_unique<AdamOptions>(defaults)),
       name_(name) {
   check_options(name_, defaults, "the default options");
@@ -210,7 +211,12 @@ void Adam::run_step(const std::vector<torch::Tensor>* lowp_copies) {
         const auto& state = checked_state_type(ref, *it->second);
         detail::check_adam_state(ref, tensors_of(state), n);
       }
-      if (lowp_copies != nullptr) detail::check_lowp_copy(ref, (*lowp_copies)[index], n);
+      if (lowp_copies != nullptr) {
+        detail::check_lowp_copy(ref, (*lowp_copies)[index], n);
+        TORCH_CHECK_VALUE(p.scalar_type() != at::kBFloat16 || !(*lowp_copies)[index].defined(), ref,
+                          ": the parameter is bfloat16 itself and has no separate low-precision "
+                          "copy; pass an undefined tensor for it");
+      }
     }
   }
 
@@ -253,7 +259,12 @@ void Adam::run_step(const std::vector<torch::Tensor>* lowp_copies) {
           options.decoupled_weight_decay(), state.step());
       const auto lowp = detail::claim_lowp_target(lowp_copies, param_index);
       detail::bump_version(p);
-      if (format == kernels::StateFormat::kFp32) {
+      if (p.scalar_type() == at::kBFloat16) {
+        kernels::CompactAdamBuffers buffers;
+        detail::set_bf16_param_buffers(p, p.grad(), param_index, state.step(), &buffers);
+        detail::set_state_buffers(tensors, format, options.amsgrad(), &buffers);
+        kernels::adam_update_compact(hyper, buffers, p.numel());
+      } else if (format == kernels::StateFormat::kFp32) {
         kernels::AdamBuffers buffers;
         buffers.param = p.data_ptr<float>();
         buffers.grad = p.grad().data_ptr<float>();

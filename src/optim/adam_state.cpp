@@ -200,6 +200,20 @@ void set_state_buffers(const AdamStateTensors& s, StateFormat format, bool amsgr
   }
 }
 
+void set_bf16_param_buffers(const at::Tensor& param, const at::Tensor& grad, int64_t param_index,
+                            int64_t step, kernels::CompactAdamBuffers* b) {
+  b->param_format = kernels::ParamFormat::kBFloat16Stochastic;
+  b->param_bf16 = static_cast<uint16_t*>(param.data_ptr());
+  if (grad.scalar_type() == at::kBFloat16) {
+    b->grad_bf16 = static_cast<const uint16_t*>(grad.data_ptr());
+  } else {
+    b->grad = grad.data_ptr<float>();
+  }
+  b->sr_seed = static_cast<uint64_t>(param_index);
+  b->sr_step = static_cast<uint64_t>(step);
+  b->sr_offset = 0;
+}
+
 }  // namespace detail
 }  // namespace optim
 }  // namespace roundpipe

@@ -59,6 +59,14 @@ AdamStateTensors convert_adam_state(const AdamStateTensors& state, kernels::Stat
 void set_state_buffers(const AdamStateTensors& state, kernels::StateFormat format, bool amsgrad,
                        kernels::CompactAdamBuffers* buffers);
 
+// Points the parameter members of `buffers` at a bf16 parameter and its
+// gradient (bf16 or fp32), with the stochastic rounding seeded by the rule of
+// adam.h: sr_seed = param_index (over all groups), sr_step = step (of this
+// update, 1 for the first), sr_offset = 0. So runs, and resumed runs, repeat
+// bitwise on any ISA and thread count, and parameters draw independently.
+void set_bf16_param_buffers(const at::Tensor& param, const at::Tensor& grad, int64_t param_index,
+                            int64_t step, kernels::CompactAdamBuffers* buffers);
+
 }  // namespace detail
 }  // namespace optim
 }  // namespace roundpipe

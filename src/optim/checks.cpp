@@ -11,14 +11,21 @@ namespace optim {
 namespace detail {
 namespace {
 
-// The checks every tensor of an update shares.
-void check_float_cpu_dense(const ParamRef& ref, const char* what, const at::Tensor& t) {
+// The checks every tensor of an update shares; `bf16_accepted`: bfloat16 is
+// accepted beside float32.
+void check_float_cpu_dense(const ParamRef& ref, const char* what, const at::Tensor& t,
+                           bool bf16_accepted = false) {
   TORCH_CHECK_VALUE(t.defined(), ref, ": ", what, " is an undefined tensor");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, ref, ": ", what,
                    " must be a dense (strided) tensor, got layout ", t.layout());
   TORCH_CHECK_TYPE(t.device().is_cpu(), ref, ": ", what, " must be on the CPU, got ", t.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, ref, ": ", what, " must be float32, got ",
-                   t.scalar_type());
+  if (bf16_accepted) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, ref, ": ",
+                     what, " must be float32 or bfloat16, got ", t.scalar_type());
+  } else {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, ref, ": ", what, " must be float32, got ",
+                     t.scalar_type());
+  }
   TORCH_CHECK_VALUE(t.is_contiguous(), ref, ": ", what, " must be contiguous (sizes ", t.sizes(),
                     ", strides ", t.strides(), ")");
 }
@@ -44,25 +51,29 @@ size_t count_params(const std::vector<torch::optim::OptimizerParamGroup>& groups
   return n;
 }
 
-void check_param(const ParamRef& ref, const at::Tensor& param) {
-  check_float_cpu_dense(ref, "the parameter", param);
+void check_param(const ParamRef& ref, const at::Tensor& param, ParamDtypes accepted) {
+  check_float_cpu_dense(ref, "the parameter", param, accepted == ParamDtypes::kFloat32OrBFloat16);
   TORCH_CHECK_VALUE(!param.is_inference() || c10::InferenceMode::is_enabled(), ref,
                     ": the parameter is an inference tensor; it can only be updated in place "
                     "inside InferenceMode");
 }
 
 void check_params(const char* optimizer,
-                  const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+                  const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                  ParamDtypes accepted) {
   int64_t index = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& params = groups[g].params();
-    for (size_t i = 0; i < params.size(); ++i) check_param({optimizer, index++, g, i}, params[i]);
+    for (size_t i = 0; i < params.size(); ++i) {
+      check_param({optimizer, index++, g, i}, params[i], accepted);
+    }
   }
 }
 
 std::vector<torch::optim::OptimizerParamGroup> checked_groups(
-    const char* optimizer, std::vector<torch::optim::OptimizerParamGroup> groups) {
-  check_params(optimizer, groups);
+    const char* optimizer, std::vector<torch::optim::OptimizerParamGroup> groups,
+    ParamDtypes accepted) {
+  check_params(optimizer, groups, accepted);
   return groups;
 }
 
@@ -73,7 +84,9 @@ void check_companion(const ParamRef& ref, const char* what, const at::Tensor& t,
 }
 
 void check_grad(const ParamRef& ref, const at::Tensor& grad, const at::Tensor& param) {
-  check_float_cpu_dense(ref, "its gradient", grad);
+  // A bf16 parameter is updated from a bf16 or an fp32 gradient alike (the
+  // kernel widens bf16 exactly); an fp32 one needs fp32.
+  check_float_cpu_dense(ref, "its gradient", grad, param.scalar_type() == at::kBFloat16);
   TORCH_CHECK_VALUE(grad.sizes() == param.sizes(), ref, ": its gradient has sizes ", grad.sizes(),
                     ", the parameter ", param.sizes());
 }

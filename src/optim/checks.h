@@ -41,25 +41,33 @@ torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure);
 // Total number of parameters over all groups.
 size_t count_params(const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
-// A parameter: defined, float32, strided, CPU, contiguous, not an inference
-// tensor outside inference mode. c10::TypeError / c10::ValueError otherwise.
-void check_param(const ParamRef& ref, const at::Tensor& param);
+// The parameter dtypes an optimizer updates: Adam also takes bf16 parameters
+// (updated with stochastic rounding), SGD float32 only.
+enum class ParamDtypes { kFloat32, kFloat32OrBFloat16 };
+
+// A parameter: defined, of an `accepted` dtype, strided, CPU, contiguous, not
+// an inference tensor outside inference mode. c10::TypeError /
+// c10::ValueError otherwise.
+void check_param(const ParamRef& ref, const at::Tensor& param, ParamDtypes accepted);
 
 // All parameters of all groups.
 void check_params(const char* optimizer,
-                  const std::vector<torch::optim::OptimizerParamGroup>& groups);
+                  const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                  ParamDtypes accepted);
 
 // `groups` after check_params, for a constructor's base-class initializer:
 // libtorch's Optimizer dereferences its parameters (an undefined one would
 // fail there with an unclear message), so they are checked before it runs.
 std::vector<torch::optim::OptimizerParamGroup> checked_groups(
-    const char* optimizer, std::vector<torch::optim::OptimizerParamGroup> groups);
+    const char* optimizer, std::vector<torch::optim::OptimizerParamGroup> groups,
+    ParamDtypes accepted);
 
 // A tensor read or written beside a parameter (`what`: "gradient", "state
 // 'exp_avg'", ...): like check_param, and `numel` elements.
 void check_companion(const ParamRef& ref, const char* what, const at::Tensor& t, int64_t numel);
 
-// A parameter's gradient: like check_param, and the parameter's sizes.
+// A parameter's gradient: like check_param, and the parameter's sizes;
+// float32, or bfloat16 too for a bfloat16 parameter.
 void check_grad(const ParamRef& ref, const at::Tensor& grad, const at::Tensor& param);
 
 // A low-precision copy: contiguous CPU bfloat16/float16 of `numel` elements.

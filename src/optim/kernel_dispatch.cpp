@@ -192,7 +192,7 @@ void adam_update(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t n) 
 void adam_update_compact(const AdamHyper& hyper, const CompactAdamBuffers& buffers, int64_t n) {
   if (n <= 0) return;
   const CompactAdamBuffers& b = buffers;
-  TORCH_INTERNAL_ASSERT(b.grad != nullptr);
+  TORCH_INTERNAL_ASSERT(b.grad != nullptr || b.grad_bf16 != nullptr);
   if (b.param_format == ParamFormat::kFp32) {
     TORCH_INTERNAL_ASSERT(b.param != nullptr);
     TORCH_INTERNAL_ASSERT(b.lowp_kind == LowpKind::kNone || b.lowp != nullptr);
@@ -217,8 +217,11 @@ void adam_update_compact(const AdamHyper& hyper, const CompactAdamBuffers& buffe
   const detail::KernelTable& t = table();
   // Block-aligned chunks: a quantization block is never split between threads
   // (and neither is a cache line of any of the arrays).
+  // parallel_ranges only does address arithmetic on its base (it reads
+  // nothing through it), so a bf16 gradient's address serves as well.
+  const float* base = b.grad != nullptr ? b.grad : reinterpret_cast<const float*>(b.grad_bf16);
   parallel_ranges(
-      b.grad, n, [&](int64_t begin, int64_t end) { t.adam_compact(hyper, buffers, begin, end); },
+      base, n, [&](int64_t begin, int64_t end) { t.adam_compact(hyper, buffers, begin, end); },
       kBlockwise8BlockSize);
 }
 

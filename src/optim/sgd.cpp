@@ -46,7 +46,7 @@ void check_groups(std::vector<OptimizerParamGroup>& groups) {
   for (size_t g = 0; g < groups.size(); ++g) {
     check_options(options_of(groups[g], g), "parameter group " + std::to_string(g));
   }
-  detail::check_params(kName, groups);
+  detail::check_params(kName, groups, detail::ParamDtypes::kFloat32);
 }
 
 }  // namespace
@@ -88,8 +88,9 @@ void SGDOptions::set_lr(const double lr) { this->lr(lr); }
 // ---- SGD -----------------------------------------------------------------
 
 SGD::SGD(std::vector<OptimizerParamGroup> param_groups, SGDOptions defaults)
-    : torch::optim::Optimizer(detail::checked_groups("SGD", std::move(param_groups)),
-                              std::make_unique<SGDOptions>(defaults)) {
+    : torch::optim::Optimizer(
+          detail::checked_groups("SGD", std::move(param_groups), detail::ParamDtypes::kFloat32),
+          std::make_unique<SGDOptions>(defaults)) {
   check_options(defaults, "the default options");
   check_groups(param_groups_);
 }

@@ -19,14 +19,29 @@ namespace {
 using optim::detail::ParamRef;
 namespace kernels = optim::kernels;
 
+using optim::detail::ParamDtypes;
+
+// A parameter's place (index over all groups, group, position), as Python
+// passes it for messages and seeds.
+using Place = std::tuple<int64_t, int64_t, int64_t>;
+
+// Checks the parameters and gradients; they are named by `places` when given,
+// else by their position in the lists.
 std::vector<ParamRef> check_group(const char* name, const std::vector<at::Tensor>& params,
-                                  const std::vector<at::Tensor>& grads) {
+                                  const std::vector<at::Tensor>& grads, ParamDtypes accepted,
+                                  const std::vector<Place>* places = nullptr) {
   TORCH_CHECK_VALUE(params.size() == grads.size(), name, ": ", params.size(), " parameters but ", grads.size(),
                     " gradients");
+  TORCH_CHECK_VALUE(places == nullptr || places->size() == params.size(), name, ": ", params.size(),
+                    " parameters but ", places->size(), " places");
   std::vector<ParamRef> refs;
   for (size_t i = 0; i < params.size(); ++i) {
     ParamRef ref{name, static_cast<int64_t>(i), 0, i};
-    optim::detail::check_param(ref, params[i]);
+    if (places != nullptr) {
+      const auto& [index, group, position] = (*places)[i];
+      ref = ParamRef{name, index, static_cast<size_t>(group), static_cast<size_t>(position)};
+    }
+    optim::detail::check_param(ref, params[i], accepted);
     optim::detail::check_grad(ref, grads[i], params[i]);
     refs.push_back(ref);
   }
@@ -41,7 +56,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
                bool decoupled) {
   const char* name = decoupled ? "AdamW" : "Adam";
-  auto refs = check_group(name, params, grads);
+  auto refs = check_group(name, params, grads, ParamDtypes::kFloat32);
   TORCH_CHECK_VALUE(exp_avgs.size() == params.size() && exp_avg_sqs.size() == params.size() &&
                         steps.size() == params.size() && (!amsgrad || max_exp_avg_sqs.size() == params.size()),
                     name, ": state lists do not match the parameters");
@@ -89,11 +104,14 @@ kernels::StateFormat format_named(const std::string& name) {
   return kernels::StateFormat::kBlockwise8;
 }
 
-// One Adam/AdamW step over parameters with bf16 or 8-bit states (the format
-// of each is read from its states; all must be checked and converted by the
-// caller to what it wants). The lists are parallel; optional entries are None
-// where a format has no such tensor.
-void adam_step_compact(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+// One Adam/AdamW step over parameters with bf16 or 8-bit states, or bf16
+// parameters (with states in any format). The format of each state is read
+// from its tensors; all must be checked and converted by the caller to what it
+// wants. The lists are parallel; optional entries are None where a format has
+// no such tensor. `places` name the parameters and seed the stochastic
+// rounding of bf16 ones (adam.h).
+void adam_step_compact(const std::vector<Place>& places, const std::vector<at::Tensor>& params,
+                       const std::vector<at::Tensor>& grads,
                        const std::vector<at::Tensor>& exp_avgs,
                        const std::vector<at::Tensor>& exp_avg_sqs,
                        const std::vector<OptTensor>& max_exp_avg_sqs,
@@ -103,7 +121,7 @@ void adam_step_compact(const std::vector<at::Tensor>& params, const std::vector<
                        double eps, double weight_decay, bool amsgrad, bool maximize,
                        bool decoupled) {
   const char* name = decoupled ? "AdamW" : "Adam";
-  auto refs = check_group(name, params, grads);
+  auto refs = check_group(name, params, grads, ParamDtypes::kFloat32OrBFloat16, &places);
   const size_t n = params.size();
   TORCH_CHECK_VALUE(exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                         max_exp_avg_sqs.size() == n && exp_avg_absmaxes.size() == n &&
@@ -123,8 +141,12 @@ void adam_step_compact(const std::vector<at::Tensor>& params, const std::vector<
   py::gil_scoped_release nogil;
   for (size_t i = 0; i < n; ++i) {
     kernels::CompactAdamBuffers b;
-    b.param = params[i].data_ptr<float>();
-    b.grad = grads[i].data_ptr<float>();
+    if (params[i].scalar_type() == at::kBFloat16) {
+      optim::detail::set_bf16_param_buffers(params[i], grads[i], refs[i].index, steps[i], &b);
+    } else {
+      b.param = params[i].data_ptr<float>();
+      b.grad = grads[i].data_ptr<float>();
+    }
     optim::detail::set_state_buffers(states[i], formats[i], amsgrad, &b);
     const auto hyper = kernels::make_adam_hyper(lr, beta1, beta2, eps, weight_decay, amsgrad,
                                                 maximize, decoupled, steps[i]);
@@ -158,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor, OptTensor, OptTensor> adam_convert
 void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
               const std::vector<at::Tensor>& momentum_buffers, const std::vector<bool>& first_step, double lr,
               double momentum, double dampening, double weight_decay, bool nesterov, bool maximize) {
-  auto refs = check_group("SGD", params, grads);
+  auto refs = check_group("SGD", params, grads, ParamDtypes::kFloat32);
   const bool has_momentum = momentum != 0;
   TORCH_CHECK_VALUE(!has_momentum || (momentum_buffers.size() == params.size() && first_step.size() == params.size()),
                     "SGD: momentum buffers do not match the parameters");

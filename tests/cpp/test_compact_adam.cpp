@@ -2,17 +2,24 @@
 // several steps bitwise against a plain torch-op reference of the same
 // quantization math, every SIMD path bitwise equal, archives round trip and
 // convert between formats, bad input is refused with clear messages, and
-// checkpoints and device counts leave the trajectory bitwise unchanged.
+// checkpoints and device counts leave the trajectory bitwise unchanged. And
+// bf16 parameters: the fp32 update stored with the documented stochastic
+// rounding, reproducible, and training like fp32.
 #include <roundpipe/checkpoint.h>
 #include <roundpipe/optim/adam.h>
+#include <roundpipe/optim/sgd.h>
 #include <unistd.h>
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -437,13 +444,27 @@ TEST(CompactAdam, RejectsAmsgradWith8BitStates) {
                 {"amsgrad is not supported with 8-bit states", "parameter group 0"});
 }
 
-TEST(CompactAdam, RejectsFp16AndComplexParameters) {
-  for (auto dtype : {torch::kHalf, torch::kComplexFloat}) {
-    testing::expect_message(testing::error_of<c10::TypeError>([&] {
-                    Adam({torch::randn({4096}), torch::randn({8}).to(dtype)},
-                         AdamOptions().state_dtype(StateDtype::kBFloat16));
-                  }),
-                  {"Adam: parameter 1 (group 0, position 1)", "must be float32"});
+TEST(CompactAdam, RejectsFp16Fp64AndComplexParameters) {
+  for (auto dtype : {torch::kHalf, torch::kDouble, torch::kComplexFloat}) {
+    for (StateDtype state : {StateDtype::kFloat32, StateDtype::kBFloat16}) {
+      testing::expect_message(testing::error_of<c10::TypeError>([&] {
+                                Adam({torch::randn({4096}), torch::randn({8}).to(dtype)},
+                                     AdamOptions().state_dtype(state));
+                              }),
+                              {"Adam: parameter 1 (group 0, position 1)",
+                               "must be float32 or bfloat16, got"});
+    }
+    // Added after construction: refused at step(), before anything changes.
+    const Tensor a = torch::randn({8}, torch::kBFloat16).requires_grad_(true);
+    AdamW opt({a});
+    const Tensor bad = torch::randn({8}).to(dtype).requires_grad_(true);
+    opt.add_param_group(torch::optim::OptimizerParamGroup({bad}));
+    a.mutable_grad() = torch::ones_like(a);
+    bad.mutable_grad() = torch::ones_like(bad);
+    const Tensor before = a.detach().clone();
+    testing::expect_message(testing::error_of<c10::TypeError>([&] { opt.step(); }),
+                            {"AdamW: parameter 1 (group 1, position 0)", "float32 or bfloat16"});
+    EXPECT_TRUE(Bitwise(a.detach(), before));
   }
 }
 
@@ -550,6 +571,270 @@ TEST(CompactAdam, BitwiseIdenticalOnOneAndTwoDevices) {
     ExpectSameStates(one.opt, two.opt, one.model.optim_parameters(), two.model.optim_parameters(),
                      state_dtype_name(dtype));
   }
+}
+
+// ---- bf16 parameters --------------------------------------------------------
+
+// The stochastic rounding of kernels.h (CompactAdamBuffers::sr_seed), written
+// out from its documentation.
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint32_t LowBias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 `x` rounded to bf16 stochastically, element j = position in the
+// parameter, with adam.h's seeding: seed = the parameter's index over all
+// groups, step = the update's step number.
+Tensor StochasticBf16(const Tensor& x, uint64_t seed, uint64_t step) {
+  const uint64_t key = SplitMix64(SplitMix64(seed) ^ step);
+  const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  const Tensor flat = x.contiguous().reshape(-1);
+  Tensor out = torch::empty({flat.numel()}, torch::kBFloat16);
+  const float* src = flat.data_ptr<float>();
+  auto* dst = static_cast<uint16_t*>(out.data_ptr());
+  for (int64_t j = 0; j < flat.numel(); ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, &src[j], sizeof(bits));
+    const uint32_t r = LowBias32(LowBias32(static_cast<uint32_t>(j) ^ k0) ^
+                                 static_cast<uint32_t>(static_cast<uint64_t>(j) >> 32) ^ k1);
+    dst[j] = std::isnan(src[j]) ? 0x7FC0 : static_cast<uint16_t>((bits + (r >> 16)) >> 16);
+  }
+  return out.reshape(x.sizes());
+}
+
+std::vector<Tensor> Bf16(const std::vector<Tensor>& params) {
+  std::vector<Tensor> out;
+  for (const Tensor& p : params) out.push_back(p.detach().to(torch::kBFloat16).requires_grad_(true));
+  return out;
+}
+
+// A bf16 parameter's expected trajectory: the fp32 reference update of the
+// widened parameter (Reference, with the states in their format), then the
+// documented stochastic rounding.
+struct Bf16Reference {
+  Reference fp32;
+  uint64_t index;
+  Tensor p;  // bf16
+
+  Bf16Reference(const Tensor& init, k::StateFormat f, bool amsgrad, uint64_t param_index)
+      : fp32(init.to(torch::kFloat), f, amsgrad), index(param_index), p(init.detach().clone()) {}
+
+  void Step(const AdamOptions& o, int64_t step, const Tensor& grad) {
+    fp32.p = p.reshape(-1).to(torch::kFloat);
+    fp32.Step(o, step, grad.to(torch::kFloat));
+    p = StochasticBf16(fp32.p, index, static_cast<uint64_t>(step)).reshape(p.sizes());
+  }
+};
+
+TEST(Bf16ParamAdam, StepsMatchFp32UpdateWithDocumentedStochasticRounding) {
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kBlockwise8}) {
+    for (const AdamOptions& o : OptionGrid(dtype)) {
+      for (bool bf16_grads : {true, false}) {
+        const std::string what = std::string(state_dtype_name(dtype)) +
+                                 (o.decoupled_weight_decay() ? " AdamW" : " Adam") +
+                                 (o.amsgrad() ? " amsgrad" : "") +
+                                 (bf16_grads ? " bf16 grads" : " fp32 grads");
+        const auto params = Bf16(RandomParams(31));
+        const auto grads = RandomGrads(kSteps, 32);
+        std::vector<Bf16Reference> refs;
+        for (size_t i = 0; i < params.size(); ++i) {
+          refs.emplace_back(params[i], detail::adam_state_format(dtype, params[i].numel()),
+                            o.amsgrad(), i);
+        }
+        Adam opt(params, o);
+        for (int s = 0; s < kSteps; ++s) {
+          for (size_t i = 0; i < params.size(); ++i) {
+            const Tensor g = bf16_grads ? grads[s][i].to(torch::kBFloat16) : grads[s][i];
+            params[i].mutable_grad() = g.clone();
+            refs[i].Step(o, s + 1, g);
+          }
+          opt.step();
+          for (size_t i = 0; i < params.size(); ++i) {
+            const std::string at = what + " step " + std::to_string(s + 1) + " param " +
+                                   std::to_string(i);
+            ASSERT_EQ(params[i].scalar_type(), torch::kBFloat16) << at;
+            EXPECT_TRUE(Bitwise(params[i].detach(), refs[i].p)) << at << ": parameter";
+            // The states: those of the fp32 reference, compared in its layout.
+            Reference states = refs[i].fp32;
+            states.p = params[i].detach().reshape(-1);
+            states.Expect(params[i], StateOf(opt, params[i]), at);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Parameters above the threading grain (32K elements) as well, so that two
+// threads split them.
+std::vector<Tensor> Bf16ParamsForThreads(uint64_t seed) {
+  auto params = RandomParams(seed);
+  params.push_back(torch::randn({300, 257}));
+  return Bf16(params);
+}
+
+// The bf16 parameters and all state tensors after kSteps AdamW steps.
+std::vector<Tensor> RunBf16(StateDtype dtype, uint64_t seed) {
+  const auto params = Bf16ParamsForThreads(seed);
+  torch::manual_seed(seed + 1);
+  std::vector<std::vector<Tensor>> grads(kSteps);
+  for (auto& step_grads : grads) {
+    for (const Tensor& p : params) step_grads.push_back(torch::randn_like(p) * 0.1);
+  }
+  AdamW opt(params, AdamWOptions(1e-2).state_dtype(dtype));
+  RunSteps(params, grads, opt);
+  std::vector<Tensor> out;
+  for (const Tensor& p : params) {
+    const auto& s = StateOf(opt, p);
+    for (const Tensor& t :
+         {p.detach(), s.exp_avg(), s.exp_avg_sq(), s.exp_avg_absmax(), s.exp_avg_sq_absmax()}) {
+      out.push_back(t.defined() ? t.clone() : torch::empty({0}));
+    }
+  }
+  return out;
+}
+
+TEST(Bf16ParamAdam, BitwiseEqualOnEverySimdPathAndThreadCount) {
+  const char* env = std::getenv("ROUNDPIPE_SIMD");
+  const std::string saved = env == nullptr ? "" : env;
+  const int threads = at::get_num_threads();
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kBlockwise8}) {
+    k::select_isa(k::Isa::kScalar);
+    at::set_num_threads(1);
+    const auto expected = RunBf16(dtype, 33);
+    for (k::Isa isa : {k::Isa::kScalar, k::Isa::kAvx2, k::Isa::kAvx512}) {
+      if (!k::isa_supported(isa)) continue;
+      k::select_isa(isa);
+      for (int n : {1, 2, 3}) {
+        at::set_num_threads(n);
+        ExpectSameParams(expected, RunBf16(dtype, 33),
+                         std::string(state_dtype_name(dtype)) + ": scalar, 1 thread vs " +
+                             k::isa_name(isa) + ", " + std::to_string(n) + " threads");
+      }
+    }
+  }
+  at::set_num_threads(threads);
+  k::select_isa(saved);
+}
+
+TEST(Bf16ParamAdam, UpdatesFarBelowHalfAnUlpMoveTheParameterOnAverage) {
+  // Adam's step is about lr per element here (a constant gradient), 1e-4,
+  // while a bf16 ulp below 1 is 2^-8: round to nearest would never move
+  // the parameter; stochastic rounding follows the fp32 trajectory on average.
+  const int64_t n = 4096;
+  const int steps = 200;
+  const AdamOptions o = AdamOptions(1e-4);
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kBlockwise8}) {
+    const Tensor fp32 = torch::ones({n}).requires_grad_(true);
+    const Tensor bf16 = torch::ones({n}, torch::kBFloat16).requires_grad_(true);
+    Adam ref({fp32}, o);
+    Adam opt({bf16}, AdamOptions(o).state_dtype(dtype));
+    for (int s = 0; s < steps; ++s) {
+      fp32.mutable_grad() = torch::ones({n});
+      bf16.mutable_grad() = torch::ones({n}, torch::kBFloat16);
+      ref.step();
+      opt.step();
+    }
+    const double drift = 1.0 - fp32.mean().item<double>();
+    const double got = 1.0 - bf16.to(torch::kFloat).mean().item<double>();
+    ASSERT_GT(drift, 0.015);  // several ulps, made of steps of under 1/39 ulp
+    // Each element errs by under an ulp (2^-8) around the fp32 value; the
+    // mean of 4096 much less. A 10% tolerance is far from "did not move".
+    EXPECT_NEAR(got, drift, 0.1 * drift) << state_dtype_name(dtype);
+  }
+}
+
+TEST(Bf16ParamAdam, IdenticalInputsAndResumedRunsAreBitwiseIdentical) {
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kBlockwise8}) {
+    const AdamOptions o = AdamWOptions(1e-2).state_dtype(dtype);
+    const std::string what = state_dtype_name(dtype);
+    const auto grads = RandomGrads(2 * kSteps, 35);
+    const std::vector<std::vector<Tensor>> first(grads.begin(), grads.begin() + kSteps);
+    const std::vector<std::vector<Tensor>> second(grads.begin() + kSteps, grads.end());
+    const auto a = Bf16(RandomParams(34)), b = Bf16(RandomParams(34));
+    AdamW opt_a(a, o), opt_b(b, o);
+    RunSteps(a, grads, opt_a);
+    RunSteps(b, grads, opt_b);
+    ExpectSameParams(a, b, what + " two runs");
+    ExpectSameStates(opt_a, opt_b, a, b, what + " two runs");
+
+    // Saved after the first half, loaded into a fresh optimizer over copies
+    // of the parameters at that point, continued.
+    const auto c = Bf16(RandomParams(34));
+    AdamW opt_c(c, o);
+    RunSteps(c, first, opt_c);
+    const std::string archive = Archive(opt_c);
+    const auto d = Clones(c);
+    AdamW opt_d(d, o);
+    Load(opt_d, archive);
+    RunSteps(d, second, opt_d);
+    ExpectSameParams(a, d, what + " resumed");
+    ExpectSameStates(opt_a, opt_d, a, d, what + " resumed");
+  }
+}
+
+TEST(Bf16ParamAdam, RegressionTracksTheFp32Run) {
+  // Least squares Y = X W: a 64 x 64 W (4096 elements, so 8-bit states
+  // apply). The loss is computed in fp32 from the widened parameter, so a
+  // bf16 W gets a bf16 gradient.
+  torch::manual_seed(36);
+  const Tensor x = torch::randn({256, 64});
+  const Tensor y = x.matmul(torch::randn({64, 64}) * 0.5);
+  const Tensor init = torch::randn({64, 64}) * 0.1;
+  auto train = [&](const Tensor& w, torch::optim::Optimizer& opt) {
+    double loss = 0;
+    for (int s = 0; s < 100; ++s) {
+      opt.zero_grad();
+      const Tensor l = (x.matmul(w.to(torch::kFloat)) - y).pow(2).mean();
+      l.backward();
+      opt.step();
+      loss = l.item<double>();
+    }
+    return loss;
+  };
+  const double initial = (x.matmul(init) - y).pow(2).mean().item<double>();
+  for (StateDtype dtype : {StateDtype::kFloat32, StateDtype::kBFloat16, StateDtype::kBlockwise8}) {
+    // The reference: an fp32 parameter with the same states, so that only
+    // the parameter's precision differs.
+    const Tensor w32 = init.clone().requires_grad_(true);
+    AdamW ref({w32}, AdamWOptions(1e-2).state_dtype(dtype));
+    const double expected = train(w32, ref);
+    ASSERT_LT(expected, 0.7 * initial);  // it did learn
+    const Tensor w16 = init.to(torch::kBFloat16).requires_grad_(true);
+    AdamW opt({w16}, AdamWOptions(1e-2).state_dtype(dtype));
+    const double got = train(w16, opt);
+    ASSERT_EQ(w16.grad().scalar_type(), torch::kBFloat16);
+    EXPECT_NEAR(got, expected, 0.03 * expected) << state_dtype_name(dtype);
+  }
+}
+
+TEST(Bf16ParamAdam, LowPrecisionCopyOfABf16ParameterIsRefused) {
+  const Tensor p = torch::randn({8}, torch::kBFloat16).requires_grad_(true);
+  Adam opt({p});
+  p.mutable_grad() = torch::ones_like(p);
+  testing::expect_message(testing::error_of<c10::ValueError>([&] {
+                            opt.step_with_lowp_copy({torch::empty({8}, torch::kBFloat16)});
+                          }),
+                          {"Adam: parameter 0 (group 0, position 0)", "bfloat16 itself"});
+  opt.step_with_lowp_copy({Tensor()});  // an undefined entry is fine
+}
+
+TEST(Bf16ParamAdam, SgdRefusesABf16ParameterNamingIt) {
+  const Tensor a = torch::randn({8}, torch::kFloat).requires_grad_(true);
+  const Tensor b = torch::randn({8}, torch::kBFloat16).requires_grad_(true);
+  testing::expect_message(testing::error_of<c10::TypeError>([&] { SGD({a, b}, SGDOptions(0.1)); }),
+                          {"SGD: parameter 1 (group 0, position 1)", "must be float32, got BFloat16"});
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Tests of the compact-state Adam kernels (kernels.h, adam_update_compact):
 // bitwise equality of the ISA tables and of any block-aligned split, plain
 // scalar references for the bf16 and blockwise-8 states, the quantization
-// error against fp32 Adam, and the stochastic rounding of a bf16 parameter.
+// error against fp32 Adam, the stochastic rounding of a bf16 parameter, and
+// bf16 gradients.
 // Only kernels.h, isa_kernels.h and the standard library: the references are
 // written out here, element by element.
 #include <gtest/gtest.h>
@@ -143,8 +144,9 @@ struct Problem {
   uint64_t sr_step = 0;
   int64_t sr_offset = 0;
   int64_t n = 0;
+  bool use_grad_bf16 = false;  // pass grad_bf16 (and no fp32 gradient)
   std::vector<float> grad, param;
-  std::vector<uint16_t> param_bf16, lowp;
+  std::vector<uint16_t> grad_bf16, param_bf16, lowp;
   std::vector<float> m32, v32, max32;
   std::vector<uint16_t> m16, v16, max16;
   std::vector<uint8_t> m_codes, v_codes;
@@ -173,6 +175,7 @@ struct Problem {
     // A block of zero states, as before the first step.
     for (size_t i = 256; i < std::min<size_t>(size, 512); ++i) m32[i] = v32[i] = max32[i] = 0;
     for (float p : param) param_bf16.push_back(Bf16Nearest(p));
+    for (float g : grad) grad_bf16.push_back(Bf16Nearest(g));
     lowp.assign(size, 0);
     for (size_t i = 0; i < size; ++i) {
       m16.push_back(Bf16Nearest(m32[i]));
@@ -193,7 +196,11 @@ struct Problem {
     CompactAdamBuffers b;
     b.state_format = state_format;
     b.param_format = param_format;
-    b.grad = grad.data();
+    if (use_grad_bf16) {
+      b.grad_bf16 = grad_bf16.data();
+    } else {
+      b.grad = grad.data();
+    }
     if (param_format == ParamFormat::kFp32) {
       b.param = param.data();
       b.lowp = lowp.data();
@@ -233,6 +240,7 @@ struct Problem {
       out.insert(out.end(), p, p + v.size() * sizeof(v[0]));
     };
     append(grad);
+    append(grad_bf16);
     append(param);
     append(param_bf16);
     append(lowp);
@@ -739,6 +747,65 @@ TEST(CompactAdamKernels, StochasticRoundingIsUnbiased) {
         EXPECT_NEAR(sum / n, exact, ulp / 50) << TableName(t) << " " << x << " " << factor;
       }
     }
+  }
+}
+
+// `input` with its gradient passed as bf16 bits (`bf16`) or as the same
+// values widened to fp32. The bf16 version's fp32 gradient is all NaN, so that
+// reading it would show in every output.
+Problem WithBf16Gradient(const Problem& input, bool bf16) {
+  Problem out = input;
+  for (size_t i = 0; i < out.grad.size(); ++i) {
+    out.grad[i] = bf16 ? std::nanf("") : Bf16ToFloat(out.grad_bf16[i]);
+  }
+  out.use_grad_bf16 = bf16;
+  return out;
+}
+
+// After a run, the NaN fp32 gradient of WithBf16Gradient(.., true) put back,
+// so that all the arrays can be compared.
+std::vector<uint8_t> BytesWithWidenedGradient(Problem p) {
+  for (size_t i = 0; i < p.grad.size(); ++i) p.grad[i] = Bf16ToFloat(p.grad_bf16[i]);
+  return p.Bytes();
+}
+
+TEST(CompactAdamKernels, Bf16GradientGivesBitwiseTheResultOfTheWidenedFp32Gradient) {
+  uint64_t seed = 9000;
+  for (const Formats& f : FormatGrid()) {
+    for (const Options& o : OptionGrid()) {
+      if (o.hyper.amsgrad && f.states == StateFormat::kBlockwise8) continue;
+      for (int64_t n : kLengths) {
+        const Problem input(f.states, f.param, f.lowp, n, ++seed);
+        Problem expected = WithBf16Gradient(input, false);
+        expected.Run(*detail::scalar_kernels(), o.hyper);
+        for (const KernelTable* t : SupportedTables()) {
+          Problem whole = WithBf16Gradient(input, true);
+          whole.Run(*t, o.hyper);
+          EXPECT_EQ(FirstDifference(BytesWithWidenedGradient(whole), expected.Bytes()), -1)
+              << TableName(t) << " " << Describe(f, o, n);
+          Problem split = WithBf16Gradient(input, true);
+          split.Run(*t, o.hyper, {256, 512, 768 + 2 * 256});
+          EXPECT_EQ(FirstDifference(BytesWithWidenedGradient(split), expected.Bytes()), -1)
+              << TableName(t) << " split " << Describe(f, o, n);
+        }
+      }
+    }
+  }
+}
+
+TEST(CompactAdamKernels, Bf16GradientThroughTheThreadedEntryPoint) {
+  // Above the threading grain, so the intra-op threads (if several) split it;
+  // the chunks are placed by the bf16 gradient's address.
+  const int64_t n = 3 * 32768 + 1000 + 17;
+  const AdamHyper h = OptionGrid()[2].hyper;
+  for (const Formats& f : FormatGrid()) {
+    const Problem input(f.states, f.param, f.lowp, n, 8100);
+    Problem expected = WithBf16Gradient(input, false);
+    expected.Run(*detail::scalar_kernels(), h);
+    Problem got = WithBf16Gradient(input, true);
+    adam_update_compact(h, got.Buffers(), n);
+    EXPECT_EQ(FirstDifference(BytesWithWidenedGradient(got), expected.Bytes()), -1)
+        << Describe(f, OptionGrid()[2], n) << " on " << isa_name(active_isa());
   }
 }
 

@@ -77,7 +77,10 @@ def test_bad_options_and_params():
         rpo.Adam(p, foreach=True)
     assert any("ignored" in str(w.message) for w in caught)
     half = [torch.zeros(3, dtype=torch.float16, requires_grad=True)]
-    opt = rpo.Adam(half)
+    # Refused when given (bfloat16 is accepted, float16 is not), naming the parameter.
+    with pytest.raises(TypeError, match=r"parameter 0 \(group 0, position 0\).*float16.*accepted"):
+        rpo.Adam(half)
+    opt = rpo.SGD(half)
     half[0].grad = torch.ones(3, dtype=torch.float16)
     with pytest.raises(TypeError, match="float"):
         opt.step()

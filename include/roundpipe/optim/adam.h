@@ -14,14 +14,30 @@
 //   loss.backward();
 //   opt.step();
 //
-// Parameters: float32, contiguous, dense (strided), CPU tensors, and so must
-// their gradients be. Anything else throws at construction (for the parameters
-// given then) or at step() (for parameters added later, gradients and loaded
-// state): c10::TypeError for a wrong dtype, layout or device, c10::ValueError
-// for a non-contiguous or undefined tensor or a size mismatch. The message
-// names the parameter by its index over all parameter groups (and its group
-// and position). step() checks everything before it modifies anything.
-// Parameters whose .grad() is undefined are skipped, as in libtorch.
+// Parameters: float32 or bfloat16, contiguous, dense (strided), CPU tensors;
+// their gradients likewise, float32 for a float32 parameter, bfloat16 or
+// float32 for a bfloat16 one. Anything else (float16, float64, complex, ...)
+// throws at construction (for the parameters given then) or at step() (for
+// parameters added later, gradients and loaded state): c10::TypeError for a
+// wrong dtype, layout or device, c10::ValueError for a non-contiguous or
+// undefined tensor or a size mismatch. The message names the parameter by its
+// index over all parameter groups (and its group and position). step() checks
+// everything before it modifies anything. Parameters whose .grad() is
+// undefined are skipped, as in libtorch.
+//
+// bfloat16 parameters are their own optimizer copy: 2 bytes per element
+// instead of 4, and no compensation term. Each step widens the parameter to
+// fp32, runs the fp32 update below with the group's states (any state_dtype,
+// amsgrad too) and stores it rounded stochastically (kernels.h,
+// ParamFormat::kBFloat16Stochastic), so that updates far below half a bf16
+// ulp still move it on average. The rounding is seeded by
+//   sr_seed = the parameter's index over all parameter groups,
+//   sr_step = the step number of the update (state.step() after it is
+//             incremented: 1 for the first update),  sr_offset = 0,
+// so it is independent of the SIMD path and thread count, two runs on the
+// same inputs are bitwise equal, and a run resumed from an archive (which
+// restores step) continues bitwise as long as the parameter order is kept.
+// step_with_lowp_copy() takes no copy for a bfloat16 parameter.
 //
 // State: roundpipe::optim::AdamParamState per parameter (libtorch's
 // torch::optim::AdamParamState: step, exp_avg, exp_avg_sq, max_exp_avg_sq when
@@ -29,7 +45,8 @@
 // the same key libtorch uses, so save()/load() archives have libtorch's layout
 // (plus two option keys, maximize and decoupled_weight_decay, which loading
 // treats as false when absent). An archive written by torch::optim::Adam can be
-// loaded.
+// loaded. Not the other way round for compact states: torch::optim::Adam
+// takes a compact-state archive's bf16 tensors or uint8 codes as they are.
 //
 // Compact states: AdamOptions::state_dtype stores the moment estimates
 // (exp_avg, exp_avg_sq, max_exp_avg_sq) in fewer bytes. Per parameter element:
@@ -42,7 +59,8 @@
 //                            quantization (kernels.h, StateFormat). No amsgrad.
 // Each step widens the states to fp32, runs the fp32 update above (the new
 // parameter uses the unrounded fp32 moments) and narrows them again, in one
-// fused pass. In the state and in archives, per format:
+// fused pass. (The parameter itself adds 4 bytes per element as float32, 2
+// as bfloat16.) In the state and in archives, per format:
 //   fp32:   exp_avg, exp_avg_sq [, max_exp_avg_sq]  float32, the parameter's sizes
 //   bf16:   the same keys, bfloat16
 //   8-bit:  exp_avg, exp_avg_sq  uint8 codes, the parameter's sizes (index into
@@ -166,7 +184,8 @@ class Adam : public torch::optim::Optimizer {
   // parameter-group order (group 0's parameters, then group 1's, ...); an
   // undefined entry means "no copy". A defined entry must be a contiguous CPU
   // tensor of dtype bfloat16 or float16 with the parameter's numel
-  // (c10::TypeError / c10::ValueError otherwise). Parameters without a
+  // (c10::TypeError / c10::ValueError otherwise); undefined for a bfloat16
+  // parameter, which is its own copy (c10::ValueError). Parameters without a
   // gradient are not updated and their copies are not written. The copy is
   // bitwise equal to param.to(dtype) (NaN: canonical quiet NaN, as c10's
   // scalar conversions).

@@ -281,6 +281,21 @@ struct Bf16StochasticParam {
   }
 };
 
+// The gradient, fp32 or bf16 bits; a bf16 gradient is widened exactly (its
+// bits shifted into the high half), so it updates bitwise as the fp32 array
+// holding the same values would.
+template <class Ops>
+struct Fp32Grad {
+  const float* grad;
+  typename Ops::V load(int64_t i) const { return Ops::load(grad + i); }
+};
+
+template <class Ops>
+struct Bf16Grad {
+  const uint16_t* grad;
+  typename Ops::V load(int64_t i) const { return Ops::load_bf16(grad + i); }
+};
+
 template <class Ops>
 struct Fp32States {
   using V = typename Ops::V;
@@ -329,11 +344,11 @@ struct Blockwise8BlockStates {
 };
 
 // The Adam math of kernels.h for element i (and the following lanes).
-template <class Ops, class States, class Param>
-inline void adam_at(const AdamHyper& h, const AdamConsts<Ops>& c, const float* grad,
-                    const States& s, const Param& q, int64_t i) {
+template <class Ops, class Grad, class States, class Param>
+inline void adam_at(const AdamHyper& h, const AdamConsts<Ops>& c, const Grad& grad, const States& s,
+                    const Param& q, int64_t i) {
   using V = typename Ops::V;
-  V g = Ops::load(grad + i);
+  V g = grad.load(i);
   if (h.maximize) g = Ops::neg(g);
   V p = q.load(i);
   if (h.coupled_weight_decay) g = Ops::add(g, Ops::mul(c.weight_decay, p));
@@ -352,15 +367,37 @@ inline void adam_at(const AdamHyper& h, const AdamConsts<Ops>& c, const float* g
 }
 
 // adam_at over [begin, end): whole vectors, then the remainder in ScalarOps.
-template <class Ops, template <class> class States, template <class> class Param>
-inline void adam_loop(const AdamHyper& h, const float* grad, const States<Ops>& s,
-                      const States<ScalarOps>& s1, const Param<Ops>& q, const Param<ScalarOps>& q1,
-                      int64_t begin, int64_t end) {
+template <class Ops, template <class> class Grad, template <class> class States,
+          template <class> class Param>
+inline void adam_loop_with(const AdamHyper& h, const Grad<Ops>& grad, const Grad<ScalarOps>& grad1,
+                           const States<Ops>& s, const States<ScalarOps>& s1, const Param<Ops>& q,
+                           const Param<ScalarOps>& q1, int64_t begin, int64_t end) {
   int64_t i = begin;
   const AdamConsts<Ops> c(h);
   for (; i + Ops::kWidth <= end; i += Ops::kWidth) adam_at<Ops>(h, c, grad, s, q, i);
   const AdamConsts<ScalarOps> cs(h);
-  for (; i < end; ++i) adam_at<ScalarOps>(h, cs, grad, s1, q1, i);
+  for (; i < end; ++i) adam_at<ScalarOps>(h, cs, grad1, s1, q1, i);
+}
+
+// The gradient of one update: fp32, or bf16 bits (used when non-null).
+struct GradSource {
+  const float* fp32;
+  const uint16_t* bf16;
+};
+
+// adam_loop_with over the gradient's storage format. The choice is made here,
+// once per range (per block for blockwise-8 states), not per element.
+template <class Ops, template <class> class States, template <class> class Param>
+inline void adam_loop(const AdamHyper& h, const GradSource& grad, const States<Ops>& s,
+                      const States<ScalarOps>& s1, const Param<Ops>& q, const Param<ScalarOps>& q1,
+                      int64_t begin, int64_t end) {
+  if (grad.bf16 != nullptr) {
+    adam_loop_with<Ops>(h, Bf16Grad<Ops>{grad.bf16}, Bf16Grad<ScalarOps>{grad.bf16}, s, s1, q, q1,
+                        begin, end);
+  } else {
+    adam_loop_with<Ops>(h, Fp32Grad<Ops>{grad.fp32}, Fp32Grad<ScalarOps>{grad.fp32}, s, s1, q, q1,
+                        begin, end);
+  }
 }
 
 template <class Ops>
@@ -372,7 +409,7 @@ void adam_range(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t begi
   const Fp32States<ScalarOps> s1{b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq};
   const Fp32Param<Ops> q{b.param, b.lowp, b.lowp_kind};
   const Fp32Param<ScalarOps> q1{b.param, b.lowp, b.lowp_kind};
-  adam_loop<Ops>(h, b.grad, s, s1, q, q1, begin, end);
+  adam_loop<Ops>(h, GradSource{b.grad, nullptr}, s, s1, q, q1, begin, end);
 }
 
 // ---- Adam with compact states ---------------------------------------------
@@ -418,7 +455,7 @@ void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Para
         v_new,           block_begin};
     const Blockwise8BlockStates<ScalarOps> s1{
         b.exp_avg.codes, b.exp_avg_sq.codes, m_absmax, v_absmax, m_new, v_new, block_begin};
-    adam_loop<Ops>(h, b.grad, s, s1, q, q1, block_begin, block_end);
+    adam_loop<Ops>(h, GradSource{b.grad, b.grad_bf16}, s, s1, q, q1, block_begin, block_end);
     const int64_t len = block_end - block_begin;
     quantize_block<Ops>(m_new, len, kBlockwise8Maps.signed_map, b.exp_avg.codes + block_begin,
                         b.exp_avg.absmax + block);
@@ -434,13 +471,13 @@ void adam_compact_states(const AdamHyper& h, const CompactAdamBuffers& b, const 
     case StateFormat::kFp32: {
       const Fp32States<Ops> s{b.exp_avg.fp32, b.exp_avg_sq.fp32, b.max_exp_avg_sq.fp32};
       const Fp32States<ScalarOps> s1{b.exp_avg.fp32, b.exp_avg_sq.fp32, b.max_exp_avg_sq.fp32};
-      adam_loop<Ops>(h, b.grad, s, s1, q, q1, begin, end);
+      adam_loop<Ops>(h, GradSource{b.grad, b.grad_bf16}, s, s1, q, q1, begin, end);
       break;
     }
     case StateFormat::kBFloat16: {
       const Bf16States<Ops> s{b.exp_avg.bf16, b.exp_avg_sq.bf16, b.max_exp_avg_sq.bf16};
       const Bf16States<ScalarOps> s1{b.exp_avg.bf16, b.exp_avg_sq.bf16, b.max_exp_avg_sq.bf16};
-      adam_loop<Ops>(h, b.grad, s, s1, q, q1, begin, end);
+      adam_loop<Ops>(h, GradSource{b.grad, b.grad_bf16}, s, s1, q, q1, begin, end);
       break;
     }
     case StateFormat::kBlockwise8:

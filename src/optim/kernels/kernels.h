@@ -197,7 +197,11 @@ struct CompactState {
 struct CompactAdamBuffers {
   StateFormat state_format = StateFormat::kFp32;
   ParamFormat param_format = ParamFormat::kFp32;
-  const float* grad = nullptr;     // [n] read only
+  const float* grad = nullptr;  // [n] read only; unused when grad_bf16 is set
+  // [n] bf16 bits, read only: the gradient of a bf16 model, used instead of
+  // `grad` when non-null. Widened exactly (bits << 16) in the same pass, so
+  // the result is bitwise that of passing the widened fp32 array as `grad`.
+  const uint16_t* grad_bf16 = nullptr;
   float* param = nullptr;          // [n] kFp32: updated in place
   uint16_t* param_bf16 = nullptr;  // [n] kBFloat16Stochastic: bf16 bits, updated in place
   uint16_t* lowp = nullptr;        // [n] kFp32 param only: receives the new param, or null
@@ -214,7 +218,10 @@ struct CompactAdamBuffers {
   //   j = sr_offset + i (64 bits), lo/hi its 32-bit halves, k0/k1 the key's
   //   r = lowbias32(lowbias32(lo ^ k0) ^ hi ^ k1)
   // with lowbias32(x): x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
-  // x *= 0x846CA68B; x ^= x >> 16. A parameter updated in several pieces
+  // x *= 0x846CA68B; x ^= x >> 16 (32-bit wrapping products), and
+  // splitmix64(x): x += 0x9E3779B97F4A7C15; x = (x ^ (x >> 30)) *
+  // 0xBF58476D1CE4E5B9; x = (x ^ (x >> 27)) * 0x94D049BB133111EB;
+  // x ^ (x >> 31) (64-bit wrapping). A parameter updated in several pieces
   // passes each piece's position as sr_offset; sr_step is usually the step.
   uint64_t sr_seed = 0;
   uint64_t sr_step = 0;
