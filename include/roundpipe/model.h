@@ -169,7 +169,9 @@ class RoundPipe {
   // latest optimizer result (cast to the model dtype) and each parameter's
   // .grad holds the gradients accumulated since the last step that were not
   // handed to an optimizer (they stay pending: a later step hands .grad over,
-  // and zeroing .grad drops them).
+  // and zeroing .grad drops them). Host memory the steps freed (gradients,
+  // transfer buffers) is given back to the system here, so the resident set
+  // is the training state (docs/design/engine.md, "Host memory").
   void synchronize();
 
   // The optimizer copies: one per trainable parameter, tied parameters once,

@@ -141,6 +141,10 @@ void RoundPipe::Impl::synchronize() {
   quiesce();
   optimizer.catch_up_model();
   gradients.move_to_model_grads(*store);
+  // Nothing is running: what the allocator kept of the steps' freed
+  // gradients and buffers goes back to the system (a training loop does not
+  // call synchronize, so the pages are not faulted in again every step).
+  malloc_trim(0);
 }
 
 void RoundPipe::Impl::wait_state_current() {
