@@ -412,7 +412,7 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
 
   const auto& params = m.store->params();
   out.accum = gradients_by_id(path, "a pending gradient", r, "accum", params,
-                              [](const HostParam&) { return c10::optional<at::ScalarType>(at::kFloat); });
+                              [](const HostParam& p) { return c10::optional<at::ScalarType>(gradient_sum_dtype(p)); });
   out.master_grad = gradients_by_id(path, "a parameter .grad", r, "grad", params, [](const HostParam& p) {
     return c10::optional<at::ScalarType>(p.master.scalar_type());
   });

@@ -34,12 +34,13 @@ GradientSums::GradientSums(std::vector<at::ScalarType> dtypes, std::vector<at::T
   }
 }
 
+at::ScalarType gradient_sum_dtype(const HostParam& p) {
+  return p.optim.defined() && p.optim.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+
 std::vector<at::ScalarType> GradientSums::sum_dtypes(const HostStore& store) {
   std::vector<at::ScalarType> dtypes;
-  for (const HostParam& p : store.params()) {
-    const bool bf16 = p.optim.defined() && p.optim.scalar_type() == at::kBFloat16;
-    dtypes.push_back(bf16 ? at::kBFloat16 : at::kFloat);
-  }
+  for (const HostParam& p : store.params()) dtypes.push_back(gradient_sum_dtype(p));
   return dtypes;
 }
 

@@ -33,6 +33,11 @@ namespace roundpipe {
 
 class Call;
 class HostStore;
+struct HostParam;
+
+// The dtype a parameter's gradient sum is kept in: bf16 where its optimizer
+// copy is bf16, fp32 otherwise.
+at::ScalarType gradient_sum_dtype(const HostParam& p);
 
 class GradientSums {
  public:
@@ -41,7 +46,7 @@ class GradientSums {
   // From saved sums (checkpoints), indexed by parameter id; converted to
   // `dtypes` where they differ.
   GradientSums(std::vector<at::ScalarType> dtypes, std::vector<at::Tensor> sums);
-  // bf16 where the parameter's optimizer copy is bf16, fp32 otherwise.
+  // gradient_sum_dtype of each parameter.
   static std::vector<at::ScalarType> sum_dtypes(const HostStore& store);
 
   // Takes the call's gradients: the call holds none afterwards (its host

@@ -1,10 +1,16 @@
 // The compact configuration in the engine: bf16 optimizer copies get one bf16
 // gradient per parameter (the sum of the calls, handed over without a copy),
-// sums of several terms round stochastically and reproducibly, and results
-// do not depend on the device count.
+// sums of several terms round stochastically and reproducibly, and training
+// with AdamW's 8-bit states gives the same bits on every device count and
+// after a checkpoint resume.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+
 #include "engine/gradient_sums.h"
+#include "roundpipe/optim/adam.h"
 #include "models.h"
 
 namespace roundpipe {
@@ -50,10 +56,11 @@ TEST(CompactGradients, FloatSumsAddExactlyAsBefore) {
   EXPECT_TRUE(at::equal(acc, at::full({5}, 1.25f)));
 }
 
-// Six layers (the fixed plan's), dropout in the middle, built in bf16.
+// Six layers (the fixed plan's), dropout in the middle, built in bf16; the
+// weights are large enough for 8-bit Adam states (optim::kMinBlockwise8Numel).
 torch::nn::Sequential make_bf16_mlp() {
-  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::GELU(), torch::nn::Dropout(0.2),
-                            torch::nn::Linear(64, 64), torch::nn::GELU(), torch::nn::Linear(64, 32));
+  torch::nn::Sequential net(torch::nn::Linear(64, 128), torch::nn::GELU(), torch::nn::Dropout(0.2),
+                            torch::nn::Linear(128, 128), torch::nn::GELU(), torch::nn::Linear(128, 64));
   net->to(at::kBFloat16);
   return net;
 }
@@ -65,7 +72,7 @@ LossFn mse_loss_fn() {
 }
 
 std::pair<at::Tensor, at::Tensor> batch() {
-  return {torch::randn({8, 32}).to(at::kBFloat16), torch::randn({8, 32})};
+  return {torch::randn({8, 64}).to(at::kBFloat16), torch::randn({8, 64})};
 }
 
 RunConfig fixed_plan() {
@@ -111,30 +118,48 @@ struct Trajectory {
   std::vector<at::Tensor> losses, params, copies;
 };
 
-// bf16 model and copies, two calls per step (their bf16 sums round
-// stochastically), a plain SGD step on the copies, asynchronous.
-Trajectory train_compact(int64_t devices) {
-  torch::manual_seed(7);
-  torch::nn::Sequential net = make_bf16_mlp();
-  RoundPipe model(net, RoundPipeOptions().set_max_devices(devices).set_seed(1234).set_optim_dtype(at::kBFloat16));
-  torch::manual_seed(8);
-  Trajectory t;
-  for (int step = 0; step < 3; ++step) {
-    for (int call = 0; call < 2; ++call) {
-      const auto [x, y] = batch();
-      t.losses.push_back(model.forward_backward({x}, make_kwargs(), y, mse_loss_fn(), false, fixed_plan()).toTensor());
-    }
-    model.step([&model] {
-      at::NoGradGuard no_grad;
-      for (at::Tensor& p : model.optim_parameters()) {
-        p.add_(p.grad(), -0.05);
-        p.mutable_grad().reset();
-      }
+constexpr int kSteps = 4, kCallsPerStep = 2;
+
+// The compact configuration: bf16 model and copies, AdamW with 8-bit states,
+// two calls per step (their bf16 sums round stochastically), asynchronous
+// steps.
+struct CompactTrainer {
+  torch::nn::Sequential net;
+  RoundPipe model;
+  optim::AdamW opt;
+
+  CompactTrainer(int64_t devices, uint64_t init)
+      : net((torch::manual_seed(init), make_bf16_mlp())),
+        model(net, RoundPipeOptions().set_max_devices(devices).set_seed(1000 + init).set_optim_dtype(at::kBFloat16)),
+        opt(model.optim_parameters(), optim::AdamWOptions(1e-2).state_dtype(optim::StateDtype::kBlockwise8)) {}
+
+  // Call c (0-based) of step k (1-based), on data fixed by (k, c).
+  at::Tensor call(int k, int c) {
+    torch::manual_seed(100 * k + c);
+    const auto [x, y] = batch();
+    return model.forward_backward({x}, make_kwargs(), y, mse_loss_fn(), false, fixed_plan()).toTensor();
+  }
+  void step() {
+    model.step([this] {
+      opt.step();
+      opt.zero_grad();
     });
   }
-  model.synchronize();
-  t.params = values_of(net->parameters());
-  t.copies = values_of(model.optim_parameters());
+  void finish(Trajectory& t) {
+    model.synchronize();
+    t.params = values_of(net->parameters());
+    t.copies = values_of(model.optim_parameters());
+  }
+};
+
+Trajectory train_compact(int64_t devices) {
+  CompactTrainer trainer(devices, /*init=*/7);
+  Trajectory t;
+  for (int k = 1; k <= kSteps; ++k) {
+    for (int c = 0; c < kCallsPerStep; ++c) t.losses.push_back(trainer.call(k, c));
+    trainer.step();
+  }
+  trainer.finish(t);
   return t;
 }
 
@@ -154,6 +179,45 @@ TEST(CompactEngine, BitwiseIdenticalOnOneTwoAndFourDevices) {
   torch::manual_seed(7);
   torch::nn::Sequential fresh = make_bf16_mlp();
   EXPECT_FALSE(torch::equal(fresh->parameters()[0], one.params[0]));
+}
+
+TEST(CompactEngine, CheckpointBetweenTwoCallsOfAStepResumesBitwise) {
+  // Saved after the first call of step 3: its bf16 gradient sums are pending
+  // and the 8-bit states hold two steps. Resumed in a model with other
+  // weights and seeds on another device count.
+  const std::string path = ::testing::TempDir() + "compact_engine_" + std::to_string(::getpid()) + ".ckpt";
+  const Trajectory full = train_compact(2);
+  {
+    CompactTrainer trainer(2, /*init=*/7);
+    for (int k = 1; k <= 3; ++k) {
+      trainer.call(k, 0);
+      if (k == 3) break;
+      trainer.call(k, 1);
+      trainer.step();
+    }
+    CheckpointState state;
+    state.optimizer = &trainer.opt;
+    state.step = 2;
+    save_checkpoint(path, trainer.model, state);
+  }
+  CompactTrainer resumed(3, /*init=*/8);
+  CheckpointState state;
+  state.optimizer = &resumed.opt;
+  load_checkpoint(path, resumed.model, state);
+  std::remove(path.c_str());
+  EXPECT_EQ(state.step, 2);
+  Trajectory t;
+  for (int k = 3; k <= kSteps; ++k) {
+    for (int c = k == 3 ? 1 : 0; c < kCallsPerStep; ++c) {
+      const at::Tensor loss = resumed.call(k, c);
+      EXPECT_TRUE(torch::equal(loss, full.losses[(k - 1) * kCallsPerStep + c])) << "step " << k << " call " << c;
+    }
+    resumed.step();
+  }
+  resumed.finish(t);
+  for (const at::Tensor& copy : t.copies) EXPECT_EQ(copy.scalar_type(), at::kBFloat16);
+  t.losses = full.losses;  // compared above
+  expect_bitwise_equal(full, t, "resumed");
 }
 
 }  // namespace
