@@ -67,7 +67,11 @@ struct RoundPipeOptions {
   int64_t max_devices = 0;
   // Dtype of the optimizer copies (one per trainable parameter, always a
   // separate tensor). Default: the parameters' own dtype. E.g. bf16 model
-  // parameters with kFloat optimizer copies.
+  // parameters with kFloat optimizer copies. With kBFloat16 copies (the
+  // compact configuration, with roundpipe::optim::AdamW's 8-bit states) the
+  // gradients are kept in bf16 too: one gradient per parameter, summed over
+  // calls with stochastic rounding (docs/design/engine.md, "Host memory");
+  // other dtypes sum gradients in fp32.
   c10::optional<at::ScalarType> optim_dtype;
   // Seed of the model's random streams (dropout and other draws): streams
   // depend on (seed, call, layer, microbatch) only. Default: drawn from the

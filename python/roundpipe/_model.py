@@ -60,7 +60,11 @@ class RoundPipe(nn.Module):
     module's tensors keep their identity).
 
     - ``optim_dtype``: dtype of the optimizer copies (default: the parameters'
-      dtype), e.g. fp16/bf16 model with fp32 optimizer copies.
+      dtype), e.g. fp16/bf16 model with fp32 optimizer copies. With
+      ``torch.bfloat16`` copies (the compact configuration, with
+      ``roundpipe.optim.AdamW8bit``, which rounds their updates
+      stochastically) the gradients are kept in bf16 as well: one gradient
+      per parameter, summed over calls with stochastic rounding.
     - ``name``: shown in errors, logs and traces (default ``"<file>:<line>"``).
     - ``model_run_config``: defaults for every call (RoundPipeRunConfig).
     - ``pin_model``: ``"alloc"`` (default: the parameters are copied into one
