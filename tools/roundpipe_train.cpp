@@ -273,19 +273,7 @@ int run(const TrainOptions& o) {
   adamw_options.betas(std::make_tuple(o.beta1, o.beta2))
       .weight_decay(o.weight_decay)
       .state_dtype(state_dtype);
-  std::unique_ptr<optim::AdamW> adamw;
-  try {
-    adamw = std::make_unique<optim::AdamW>(optim_params, adamw_options);
-  } catch (const c10::TypeError& e) {
-    if (optim_dtype == at::kFloat) throw;
-    // A loud failure, never a silent switch to fp32 copies: the run asked
-    // for the compact state's memory.
-    fail(std::string("--optimizer-state compact keeps bf16 optimizer copies, which this build's "
-                     "AdamW does not accept (") +
-         e.what_without_backtrace() +
-         "); use --optimizer-state fp32, or --dtype fp32 for fp32 copies with 8-bit moments");
-  }
-  optim::AdamW& optimizer = *adamw;
+  optim::AdamW optimizer(optim_params, adamw_options);
   std::unique_ptr<GradScaler> scaler;
   if (dtype == at::kHalf) scaler = std::make_unique<GradScaler>();
   GradScaler* const sc = scaler.get();

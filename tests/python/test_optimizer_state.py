@@ -1,7 +1,9 @@
 """The optimizer-state switch (roundpipe.optimizer_state) and
 RoundPipeConfig(optimizer_state=...) of the Trainer integration: argument
-validation, and the compact state on an fp32 model (fp32 optimizer copies,
-8-bit AdamW moments) training through Trainer."""
+validation; the compact state on a bf16 model (bf16 optimizer copies and
+gradients, 8-bit AdamW moments) training through RoundPipe about as well as
+fp32 copies with torch.optim.AdamW; and the compact state through Trainer on
+fp32 and bf16 models."""
 import pytest
 import torch
 
@@ -42,6 +44,71 @@ def test_adamw_picks_8bit_moments_for_compact():
     p = [torch.zeros(8, requires_grad=True)]
     assert type(optimizer_state.adamw(p, "fp32", lr=1e-3)) is roundpipe.optim.AdamW
     assert type(optimizer_state.adamw(p, "compact", lr=1e-3)) is roundpipe.optim.AdamW8bit
+
+
+def mlp(seed=0):
+    """A bf16 classifier whose two larger weights (8192 and 16384 elements)
+    get 8-bit moments; the biases and the last weight keep fp32 ones."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
+                              torch.nn.GELU(), torch.nn.Linear(128, 16))
+    return net.to(torch.bfloat16)
+
+
+def teacher_batches(steps, rows=64, seed=0):
+    """Fresh inputs each step, labelled by one fixed random two-layer teacher:
+    the loss falls steadily but stays well above zero, so final losses
+    compare by ratio."""
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(64, 64, generator=g), torch.randn(64, 16, generator=g)
+    xs = [torch.randn(rows, 64, generator=g) for _ in range(steps)]
+    return [(x.to(torch.bfloat16), (torch.tanh(x @ w1) @ w2).argmax(1)) for x in xs]
+
+
+def train_mlp(state, steps=120):
+    """Trains mlp() through RoundPipe with the optimizer state's copies and
+    AdamW (fp32: fp32 copies and torch.optim.AdamW, as a plain PyTorch run
+    would); returns the losses, the copies and the dtypes of their .grad seen
+    inside step_fn."""
+    net = mlp()
+    model = roundpipe.RoundPipe(net, optim_dtype=optimizer_state.optim_dtype_for("t", net, state),
+                                model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2))
+    with roundpipe.OptimizerCtx():
+        copies = list(model.parameters())
+    kwargs = dict(lr=3e-3, weight_decay=0.01)
+    opt = (optimizer_state.adamw(copies, state, **kwargs) if state == "compact"
+           else torch.optim.AdamW(copies, **kwargs))
+    grad_dtypes = set()
+
+    def step_fn():
+        grad_dtypes.update(p.grad.dtype for p in copies)
+        opt.step()
+        opt.zero_grad()
+
+    losses = []
+    for x, y in teacher_batches(steps):
+        loss = model.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda out, lab: torch.nn.functional.cross_entropy(out.float(), lab) / 2)
+        losses.append(float(loss))
+        model.step(step_fn)
+    model.synchronize()
+    return losses, copies, grad_dtypes, opt
+
+
+def test_compact_trains_a_bf16_model_with_bf16_copies_as_well_as_fp32_adamw():
+    losses, copies, grad_dtypes, opt = train_mlp("compact")
+    assert type(opt) is roundpipe.optim.AdamW8bit
+    assert copies and all(p.dtype == torch.bfloat16 for p in copies)
+    # One bf16 gradient per copy: the engine sums the microbatches' gradients
+    # in bf16 rather than keeping an fp32 sum beside the copy.
+    assert grad_dtypes == {torch.bfloat16}
+    big = max(copies, key=lambda p: p.numel())
+    assert opt.state[big]["exp_avg"].dtype == torch.uint8
+    ref_losses, ref_copies, ref_grad_dtypes, _ = train_mlp("fp32")
+    assert all(p.dtype == torch.float32 for p in ref_copies) and ref_grad_dtypes == {torch.float32}
+    final, ref_final = sum(losses[-20:]) / 20, sum(ref_losses[-20:]) / 20
+    assert final < 0.7 * losses[0], losses
+    assert abs(final / ref_final - 1) <= 0.03, (final, ref_final)
 
 
 def lm_dataset(rows=32, length=16, seed=0):
@@ -89,3 +156,23 @@ def test_compact_refuses_an_fp16_model_when_wrapping(tmp_path):
     t = trainer(tmp_path, hf_models.model("llama").half(), RoundPipeConfig(optimizer_state="compact"))
     with pytest.raises(ValueError, match="RoundPipeConfig: optimizer_state='compact' is not supported for an fp16"):
         t.roundpipe_model
+
+
+def test_compact_trains_a_bf16_model_through_trainer_with_bf16_copies(tmp_path):
+    def run(config, out):
+        t = trainer(out, hf_models.model("llama").to(torch.bfloat16), config)
+        t.train()
+        inner = t._inner_optimizer()
+        copies = [p for g in inner.param_groups for p in g["params"]]
+        return inner, copies, [r["loss"] for r in t.state.log_history if "loss" in r]
+
+    inner, copies, losses = run(RoundPipeConfig(optimizer_state="compact"), tmp_path / "compact")
+    assert type(inner) is roundpipe.optim.AdamW8bit
+    assert copies and all(p.dtype == torch.bfloat16 for p in copies)
+    assert inner.state[max(copies, key=lambda p: p.numel())]["exp_avg"].dtype == torch.uint8
+    assert sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
+    # The same bf16 model with fp32 copies and Trainer's own AdamW.
+    _, ref_copies, ref_losses = run(RoundPipeConfig(optim_dtype=torch.float32), tmp_path / "fp32")
+    assert all(p.dtype == torch.float32 for p in ref_copies)
+    final, ref_final = sum(losses[-3:]) / 3, sum(ref_losses[-3:]) / 3
+    assert abs(final / ref_final - 1) <= 0.1, (losses, ref_losses)
