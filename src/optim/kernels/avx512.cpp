@@ -6,8 +6,10 @@
 #if defined(__x86_64__) && defined(__AVX512F__)
 
 // GCC 12 flags the deliberately undefined pass-through operand of the unmasked
-// AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized.
+// AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized, or, once
+// inlined into a larger function, as uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <immintrin.h>
 
@@ -22,6 +24,7 @@ inline __m512i splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x))
 
 struct Avx512Ops {
   static constexpr int64_t kWidth = 16;
+  static constexpr bool kDirectCodes = true;
   using V = __m512;
   using Flag = __mmask16;  // lanes where a non-finite value was seen
 
@@ -158,6 +161,66 @@ struct Avx512Ops {
     node = descend(node, permute128(search + 128, node), y);
     // node = 256 + code: the truncating narrowing keeps the code.
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(node));
+  }
+
+  // How close (in units of the spacing of a decade's entries) y may come to
+  // a midpoint inside a decade, and how many float steps to a cross
+  // midpoint, before store_codes_direct leaves the vector to the search. y is
+  // the value times the rounded reciprocal of the divisor, within 2 float
+  // steps of the exact quotient; with the rounding of the tables that moves
+  // the position by under 2^-12 of a spacing (the exhaustive tests check the
+  // margin).
+  static constexpr float kNearMidpoint = 0x1.0p-10f;
+  static constexpr uint32_t kNearCross = 64;
+
+  // The codes of y (16 lanes) from Blockwise8Direct without a search, as
+  // ScalarOps::nearest_code gives them for the exact quotient. Returns false,
+  // storing nothing, when some lane lies so close to a midpoint that the
+  // approximate y might fall on the other side of it than the exact one.
+  template <bool kSigned>
+  static bool store_codes_direct(uint8_t* dst, V y, const Blockwise8Direct& t) {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __mmask16 negative = _mm512_test_epi32_mask(bits, splat(0x80000000u));
+    // |y|, at most just above 1: NaN, inf and anything above 1 land in the
+    // binade of 1 (NaN lanes are replaced below).
+    const __m512i abs =
+        _mm512_min_epu32(_mm512_and_si512(bits, splat(0x7FFFFFFFu)), splat(0x3F800001u));
+    // The binade, 0 for everything below 2^-30 (saturating subtraction).
+    const __m512i binade = _mm512_subs_epu16(_mm512_srli_epi32(abs, 23), splat(127 - 31));
+    const V cross =
+        _mm512_permutex2var_ps(_mm512_load_ps(t.cross), binade, _mm512_load_ps(t.cross + 16));
+    const __m512i below = _mm512_permutex2var_epi32(_mm512_load_si512(t.decade_below), binade,
+                                                    _mm512_load_si512(t.decade_below + 16));
+    const V a = _mm512_castsi512_ps(abs);
+    const __m512i decade =
+        _mm512_mask_add_epi32(below, _mm512_cmp_ps_mask(cross, a, _CMP_LT_OQ), below, splat(1));
+    const V pos =
+        _mm512_add_ps(_mm512_mul_ps(a, _mm512_permutexvar_ps(decade, _mm512_load_ps(t.scale))),
+                      _mm512_permutexvar_ps(decade, _mm512_load_ps(t.offset)));
+    // pos > 0 in every lane, so truncation is the floor.
+    const __m512i floor = _mm512_cvttps_epi32(pos);
+    const V frac = _mm512_sub_ps(pos, _mm512_cvtepi32_ps(floor));
+    // |abs - cross| < kNearCross as one unsigned comparison.
+    const __m512i to_cross =
+        _mm512_add_epi32(_mm512_sub_epi32(abs, _mm512_castps_si512(cross)), splat(kNearCross));
+    const __mmask16 near = _mm512_cmp_ps_mask(frac, set1(kNearMidpoint), _CMP_LT_OQ) |
+                           _mm512_cmp_ps_mask(frac, set1(1.0f - kNearMidpoint), _CMP_GT_OQ) |
+                           _mm512_cmplt_epu32_mask(to_cross, splat(2 * kNearCross));
+    if (near != 0) return false;
+    const __m512i k =
+        _mm512_min_epi32(floor, _mm512_permutexvar_epi32(decade, _mm512_load_si512(t.last)));
+    __m512i code;
+    if (kSigned) {
+      // Negative y: 127 - k, where the side has no -1 (k = 128 is code 0 too).
+      const __m512i k_neg = _mm512_min_epi32(k, splat(127));
+      code = _mm512_mask_sub_epi32(_mm512_add_epi32(k, splat(127)), negative, splat(127), k_neg);
+    } else {
+      // Negative y is below every midpoint of the unsigned map: code 0.
+      code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), k);
+    }
+    code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan_mask(y)), code);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(code));
+    return true;
   }
 
   using AbsBits = __m512i;

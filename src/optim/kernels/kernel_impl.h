@@ -52,6 +52,7 @@ constexpr float kScaleToZero = 0x1.0p-110f;
 
 struct ScalarOps {
   static constexpr int64_t kWidth = 1;
+  static constexpr bool kDirectCodes = false;  // the search is the reference
   using V = float;
   using Flag = bool;
 
@@ -157,6 +158,28 @@ inline void store_lowp(uint16_t* dst, typename Ops::V v, LowpKind kind) {
 
 // ---- Compact-state constants -------------------------------------------------
 
+// Tables of the direct code computation of the vector paths
+// (store_codes_direct): the code of y follows from |y| without a search.
+// k counts the midpoints below |y| on the non-negative side of the map
+// (entries 0 .. K: 0, the decades from 1e-7 up, then 1; K = 128 signed, 255
+// unsigned). The side splits into "decade" ranges d = 0 .. 8 at the midpoints
+// between decades ("cross" midpoints): d = 0 is the entry 0, d = 1 .. 7 the
+// decades 10^-6 .. 10^0, d = 8 the entry 1. Inside decade d the entries are
+// equally spaced, so k = floor(|y| * scale[d] + offset[d]) up to rounding,
+// capped at last[d] (the formula runs past the decade's last entry up to the
+// next cross midpoint). The decade comes from the float's exponent: each of
+// the 32 binades [2^(b - 31), 2^(b - 30)) (b = 31 takes [1, 2)) holds at most
+// one cross midpoint, cross[b] (+inf if none), and
+//   d = decade_below[b] + (cross[b] < |y|).
+struct alignas(64) Blockwise8Direct {
+  float cross[32];
+  int32_t decade_below[32];
+  float scale[16];
+  float offset[16];
+  int32_t last[16];
+  bool is_signed;
+};
+
 // The blockwise-8 maps and the midpoints between neighbours, computed at
 // compile time (exactly, so every ISA file holds the same bits). See
 // blockwise8_map() in kernels.h for the construction.
@@ -172,6 +195,7 @@ struct alignas(64) Blockwise8Map {
   // with in-register permutes of search[0..15], [16..31], ... (depths 0-3,
   // 4, 5, 6 and 7) instead of gathers. search[0] is unused.
   float search[256];
+  Blockwise8Direct direct;
 };
 
 struct Blockwise8Maps {
@@ -216,12 +240,64 @@ constexpr void fill_thresholds(Blockwise8Map* map) {
   }
 }
 
+constexpr void fill_direct(Blockwise8Map* map, bool is_signed) {
+  Blockwise8Direct& t = map->direct;
+  // The non-negative side starts at code 127 (signed) or 0 (unsigned).
+  const int first = is_signed ? 127 : 0;
+  const int last_k = 255 - first;
+  const float* midpoints = map->thresholds + first;  // midpoints[k]: between entries k, k + 1
+  t.is_signed = is_signed;
+  float cross[8] = {};
+  int base = 1;  // k of the decade's first entry
+  t.scale[0] = 0;
+  t.offset[0] = 0.5f;
+  t.last[0] = 0;
+  for (int d = 1; d <= 7; ++d) {
+    const int e = 7 - d;
+    const int f = (is_signed ? 6 : 7) - e;
+    double decade = 1;
+    for (int i = 0; i < e; ++i) decade *= 10;
+    // Entry j of the decade is decade^-1 (0.1 + 0.9 (j + 1/2) / 2^f): k + 1/2
+    // at the entries, k + 1 at the midpoints between them.
+    const double steps = static_cast<double>(1 << f);
+    t.scale[d] = static_cast<float>(steps * decade / 0.9);
+    t.offset[d] = static_cast<float>(base - 0.1 * steps / 0.9);
+    t.last[d] = base + (1 << f) - 1;
+    cross[d - 1] = midpoints[base - 1];
+    base += 1 << f;
+  }
+  cross[7] = midpoints[base - 1];  // between the last decade and 1
+  t.scale[8] = 0;
+  t.offset[8] = static_cast<float>(last_k) + 0.5f;
+  t.last[8] = last_k;
+  for (int d = 9; d < 16; ++d) {
+    t.scale[d] = 0;
+    t.offset[d] = 0.5f;
+    t.last[d] = 0;
+  }
+  double low = 1;  // 2^(b - 31)
+  for (int b = 0; b < 31; ++b) low *= 0.5;
+  for (int b = 0; b < 32; ++b) {
+    const double high = b == 31 ? 1e300 : 2 * low;
+    int below = 0;
+    t.cross[b] = __builtin_huge_valf();
+    for (const float c : cross) {
+      if (c < low) ++below;
+      if (c >= low && c < high) t.cross[b] = c;
+    }
+    t.decade_below[b] = below;
+    low *= 2;
+  }
+}
+
 constexpr Blockwise8Maps make_blockwise8_maps() {
   Blockwise8Maps maps{};
   fill_dynamic_map(maps.signed_map.values, true);
   fill_dynamic_map(maps.unsigned_map.values, false);
   fill_thresholds(&maps.signed_map);
   fill_thresholds(&maps.unsigned_map);
+  fill_direct(&maps.signed_map, true);
+  fill_direct(&maps.unsigned_map, false);
   return maps;
 }
 
@@ -414,6 +490,25 @@ void adam_range(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t begi
 
 // ---- Adam with compact states ---------------------------------------------
 
+// The whole vectors of codes[0, len) from values[0, len) / divisor by the
+// direct computation, each vector the search on the exact quotient instead
+// where the direct one cannot vouch for its result. Returns the number of
+// codes written.
+template <class Ops, bool kSigned>
+inline int64_t store_codes_direct(const float* values, int64_t len, float reciprocal, float divisor,
+                                  const Blockwise8Map& map, uint8_t* codes) {
+  const typename Ops::V r = Ops::set1(reciprocal);
+  const typename Ops::V d = Ops::set1(divisor);
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
+    const typename Ops::V x = Ops::load(values + i);
+    if (!Ops::template store_codes_direct<kSigned>(codes + i, Ops::mul(x, r), map.direct)) {
+      Ops::store_codes(codes + i, Ops::div(x, d), map.search);
+    }
+  }
+  return i;
+}
+
 // codes[0, len) and *absmax from values[0, len) (one block): the absmax is the
 // integer max of the magnitudes' bits, so NaN wins over inf over any number
 // and the order of the lanes does not matter.
@@ -432,6 +527,18 @@ inline void quantize_block(const float* values, int64_t len, const Blockwise8Map
   const float divisor = amax > 0 ? amax : 1.0f;
   const typename Ops::V d = Ops::set1(divisor);
   i = 0;
+  if constexpr (Ops::kDirectCodes) {
+    // The direct codes work from the values times the reciprocal of the
+    // divisor (a product instead of a division) and give way to the search on
+    // the exact quotient where that could differ; the reciprocal has to be a
+    // normal number for that bound to hold.
+    if (divisor >= 0x1.0p-126f && divisor <= 0x1.0p+126f) {
+      const float reciprocal = 1.0f / divisor;
+      i = map.direct.is_signed
+              ? store_codes_direct<Ops, true>(values, len, reciprocal, divisor, map, codes)
+              : store_codes_direct<Ops, false>(values, len, reciprocal, divisor, map, codes);
+    }
+  }
   for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
     Ops::store_codes(codes + i, Ops::div(Ops::load(values + i), d), map.search);
   }
