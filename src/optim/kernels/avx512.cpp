@@ -163,63 +163,55 @@ struct Avx512Ops {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(node));
   }
 
-  // How close (in units of the spacing of a decade's entries) y may come to
-  // a midpoint inside a decade, and how many float steps to a cross
-  // midpoint, before store_codes_direct leaves the vector to the search. y is
-  // the value times the rounded reciprocal of the divisor, within 2 float
-  // steps of the exact quotient; with the rounding of the tables that moves
-  // the position by under 2^-12 of a spacing (the exhaustive tests check the
-  // margin).
-  static constexpr float kNearMidpoint = 0x1.0p-10f;
-  static constexpr uint32_t kNearCross = 64;
-
-  // The codes of y (16 lanes) from Blockwise8Direct without a search, as
-  // ScalarOps::nearest_code gives them for the exact quotient. Returns false,
-  // storing nothing, when some lane lies so close to a midpoint that the
-  // approximate y might fall on the other side of it than the exact one.
+  // The codes of y (16 lanes) by Blockwise8Direct (see kernel_impl.h), as
+  // ScalarOps::nearest_code gives them for the exact quotient, when y is the
+  // value times the rounded reciprocal of the divisor: within 2 float steps
+  // of the exact quotient, which moves the position by under 2^-13 of an
+  // entry spacing (the rounding of the tables included), far less than the
+  // 2^-10 and kDirectNearCross steps that make a lane near a midpoint.
+  // Returns false, storing nothing, when some lane is near one: the approximate
+  // y might fall on the other side of it than the exact one (or tie with it).
+  // The position is formed with an FMA; it only picks the code, and the
+  // margins cover its rounding either way.
   template <bool kSigned>
   static bool store_codes_direct(uint8_t* dst, V y, const Blockwise8Direct& t) {
     const __m512i bits = _mm512_castps_si512(y);
-    const __mmask16 negative = _mm512_test_epi32_mask(bits, splat(0x80000000u));
-    // |y|, at most just above 1: NaN, inf and anything above 1 land in the
-    // binade of 1 (NaN lanes are replaced below).
-    const __m512i abs =
-        _mm512_min_epu32(_mm512_and_si512(bits, splat(0x7FFFFFFFu)), splat(0x3F800001u));
-    // The binade, 0 for everything below 2^-30 (saturating subtraction).
-    const __m512i binade = _mm512_subs_epu16(_mm512_srli_epi32(abs, 23), splat(127 - 31));
-    const V cross =
-        _mm512_permutex2var_ps(_mm512_load_ps(t.cross), binade, _mm512_load_ps(t.cross + 16));
+    // Unsigned: negative y (sign bit set) clamps to the marked binade 31.
+    const __m512i magnitude = kSigned ? _mm512_and_si512(bits, splat(0x7FFFFFFFu)) : bits;
+    const __m512i abs = _mm512_max_epu32(_mm512_min_epu32(magnitude, splat(kDirectClampBits)),
+                                         splat(kDirectMinBits));
+    // Binade b in the exponent's low 5 bits (exponents 96 .. 127); the
+    // permutes read only those.
+    const __m512i binade = _mm512_srli_epi32(abs, 23);
+    const __m512i to_cross =
+        _mm512_sub_epi32(abs, _mm512_permutex2var_epi32(_mm512_load_si512(t.cross_near), binade,
+                                                        _mm512_load_si512(t.cross_near + 16)));
     const __m512i below = _mm512_permutex2var_epi32(_mm512_load_si512(t.decade_below), binade,
                                                     _mm512_load_si512(t.decade_below + 16));
-    const V a = _mm512_castsi512_ps(abs);
-    const __m512i decade =
-        _mm512_mask_add_epi32(below, _mm512_cmp_ps_mask(cross, a, _CMP_LT_OQ), below, splat(1));
-    const V pos =
-        _mm512_add_ps(_mm512_mul_ps(a, _mm512_permutexvar_ps(decade, _mm512_load_ps(t.scale))),
-                      _mm512_permutexvar_ps(decade, _mm512_load_ps(t.offset)));
-    // pos > 0 in every lane, so truncation is the floor.
-    const __m512i floor = _mm512_cvttps_epi32(pos);
-    const V frac = _mm512_sub_ps(pos, _mm512_cvtepi32_ps(floor));
-    // |abs - cross| < kNearCross as one unsigned comparison.
-    const __m512i to_cross =
-        _mm512_add_epi32(_mm512_sub_epi32(abs, _mm512_castps_si512(cross)), splat(kNearCross));
-    const __mmask16 near = _mm512_cmp_ps_mask(frac, set1(kNearMidpoint), _CMP_LT_OQ) |
-                           _mm512_cmp_ps_mask(frac, set1(1.0f - kNearMidpoint), _CMP_GT_OQ) |
-                           _mm512_cmplt_epu32_mask(to_cross, splat(2 * kNearCross));
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(to_cross, splat(kDirectNearCross));
+    const __m512i decade = _mm512_mask_add_epi32(below, above, below, splat(1));
+    const V pos = _mm512_fmadd_ps(_mm512_castsi512_ps(abs),
+                                  _mm512_permutexvar_ps(decade, _mm512_load_ps(t.scale)),
+                                  _mm512_permutexvar_ps(decade, _mm512_load_ps(t.offset)));
+    const __m512i grid = _mm512_castps_si512(_mm512_add_ps(pos, set1(kDirectGrid)));
+    const __mmask16 near = _mm512_cmplt_epu32_mask(to_cross, splat(2 * kDirectNearCross)) |
+                           _mm512_testn_epi32_mask(grid, splat(0x1FF));
     if (near != 0) return false;
-    const __m512i k =
-        _mm512_min_epi32(floor, _mm512_permutexvar_epi32(decade, _mm512_load_si512(t.last)));
-    __m512i code;
+    const __m512i k = _mm512_min_epi32(_mm512_srli_epi32(grid, 9),
+                                       _mm512_permutexvar_epi32(decade, _mm512_load_si512(t.last)));
     if (kSigned) {
-      // Negative y: 127 - k, where the side has no -1 (k = 128 is code 0 too).
-      const __m512i k_neg = _mm512_min_epi32(k, splat(127));
-      code = _mm512_mask_sub_epi32(_mm512_add_epi32(k, splat(127)), negative, splat(127), k_neg);
+      // code - 128: k - 1 for y >= 0, -1 - k below (k = 128, no -1 in the
+      // map, saturates to code 0 as well).
+      const __mmask16 negative = _mm512_test_epi32_mask(bits, splat(0x80000000u));
+      __m512i biased = _mm512_sub_epi32(k, splat(kDirectBias + 1));
+      biased = _mm512_mask_sub_epi32(biased, negative, splat(kDirectBias - 1), k);
+      const __m128i codes =
+          _mm_xor_si128(_mm512_cvtsepi32_epi8(biased), _mm_set1_epi8(static_cast<char>(0x80)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), codes);
     } else {
-      // Negative y is below every midpoint of the unsigned map: code 0.
-      code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), k);
+      // The bias is a multiple of 256: the low byte is k.
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(k));
     }
-    code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan_mask(y)), code);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(code));
     return true;
   }
 

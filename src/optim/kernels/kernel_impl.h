@@ -168,15 +168,36 @@ inline void store_lowp(uint16_t* dst, typename Ops::V v, LowpKind kind) {
 // equally spaced, so k = floor(|y| * scale[d] + offset[d]) up to rounding,
 // capped at last[d] (the formula runs past the decade's last entry up to the
 // next cross midpoint). The decade comes from the float's exponent: each of
-// the 32 binades [2^(b - 31), 2^(b - 30)) (b = 31 takes [1, 2)) holds at most
-// one cross midpoint, cross[b] (+inf if none), and
-//   d = decade_below[b] + (cross[b] < |y|).
+// the 32 binades [2^(b - 31), 2^(b - 30)) holds at most one cross midpoint c,
+// and d = decade_below[b] + (|y| > c).
+//
+// The vector paths work on the float bits: cross_near[b] is c's bits minus
+// kDirectNearCross (0x7F000000 where the binade has no c: never reached), so
+// that one difference gives both |y| > c and "within kDirectNearCross float
+// steps of c". |y| is first clamped to [2^-31, kDirectClampBits], so that the
+// exponent's low 5 bits index the binade. Nothing above 1 comes from a value
+// divided by its block's absmax; should it (or NaN bits, or a negative y of
+// the unsigned map, compared as unsigned), it clamps to kDirectClampBits,
+// which cross_near[31] marks as near a midpoint: such lanes take the search.
+// The position is rounded to a grid of 2^-9 by adding kDirectGrid; the float
+// bits then hold kDirectBias + floor(position) above 9 bits of fraction, and
+// a zero fraction marks a position within 2^-10 of a midpoint.
+constexpr int32_t kDirectNearCross = 64;
+constexpr uint32_t kDirectClampBits = 0x3F900000u;  // 1.125
+constexpr uint32_t kDirectMinBits = 0x30000000u;    // 2^-31
+constexpr float kDirectGrid = 24576.0f;             // 1.5 * 2^14: floats 2^-9 apart
+// The bits of kDirectGrid + p, shifted right by 9, for p in [0, 2^13):
+// exponent 141 above 2^13 + floor(p). A multiple of 256, so the low byte is
+// floor(p).
+constexpr int32_t kDirectBias = (141 << 14) + (1 << 13);
+static_assert(kDirectBias % 256 == 0, "the bias leaves the low byte of a code alone");
+
 struct alignas(64) Blockwise8Direct {
-  float cross[32];
+  int32_t cross_near[32];
   int32_t decade_below[32];
   float scale[16];
   float offset[16];
-  int32_t last[16];
+  int32_t last[16];  // kDirectBias + the decade's last k
   bool is_signed;
 };
 
@@ -251,7 +272,7 @@ constexpr void fill_direct(Blockwise8Map* map, bool is_signed) {
   int base = 1;  // k of the decade's first entry
   t.scale[0] = 0;
   t.offset[0] = 0.5f;
-  t.last[0] = 0;
+  t.last[0] = kDirectBias;
   for (int d = 1; d <= 7; ++d) {
     const int e = 7 - d;
     const int f = (is_signed ? 6 : 7) - e;
@@ -262,29 +283,31 @@ constexpr void fill_direct(Blockwise8Map* map, bool is_signed) {
     const double steps = static_cast<double>(1 << f);
     t.scale[d] = static_cast<float>(steps * decade / 0.9);
     t.offset[d] = static_cast<float>(base - 0.1 * steps / 0.9);
-    t.last[d] = base + (1 << f) - 1;
+    t.last[d] = kDirectBias + base + (1 << f) - 1;
     cross[d - 1] = midpoints[base - 1];
     base += 1 << f;
   }
   cross[7] = midpoints[base - 1];  // between the last decade and 1
   t.scale[8] = 0;
   t.offset[8] = static_cast<float>(last_k) + 0.5f;
-  t.last[8] = last_k;
+  t.last[8] = kDirectBias + last_k;
   for (int d = 9; d < 16; ++d) {
     t.scale[d] = 0;
     t.offset[d] = 0.5f;
-    t.last[d] = 0;
+    t.last[d] = kDirectBias;
   }
   double low = 1;  // 2^(b - 31)
   for (int b = 0; b < 31; ++b) low *= 0.5;
   for (int b = 0; b < 32; ++b) {
-    const double high = b == 31 ? 1e300 : 2 * low;
+    const double high = 2 * low;
     int below = 0;
-    t.cross[b] = __builtin_huge_valf();
+    uint32_t cross_bits = 0x7F000000u;  // no cross midpoint: far above any clamped |y|
     for (const float c : cross) {
       if (c < low) ++below;
-      if (c >= low && c < high) t.cross[b] = c;
+      if (c >= low && c < high) cross_bits = __builtin_bit_cast(uint32_t, c);
     }
+    if (b == 31) cross_bits = kDirectClampBits;  // [1, 2): no midpoint, but the clamp
+    t.cross_near[b] = static_cast<int32_t>(cross_bits) - kDirectNearCross;
     t.decade_below[b] = below;
     low *= 2;
   }
