@@ -569,12 +569,50 @@ inline void quantize_block(const float* values, int64_t len, const Blockwise8Map
   *absmax = amax;
 }
 
+// Software prefetch of the arrays of the block kPrefetchBlocks ahead (3072
+// elements, about 5 us of work): a blockwise-8 step spends so many
+// instructions per element that the out-of-order window holds few of its
+// loads, and with threads sharing memory it drew well under the bandwidth an
+// fp32 step gets; prefetching a few blocks ahead keeps more requests in
+// flight (about 10% per thread with two threads streaming).
+constexpr int64_t kPrefetchBlocks = 12;
+
+inline void prefetch_lines(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    if (write) {
+      __builtin_prefetch(c + i, 1);
+    } else {
+      __builtin_prefetch(c + i, 0);
+    }
+  }
+}
+
+inline void prefetch_block(const CompactAdamBuffers& b, int64_t i) {
+  const int64_t n = kBlockwise8BlockSize;
+  if (b.grad_bf16 != nullptr) {
+    prefetch_lines(b.grad_bf16 + i, n * 2, false);
+  } else {
+    prefetch_lines(b.grad + i, n * 4, false);
+  }
+  if (b.param_format == ParamFormat::kFp32) {
+    prefetch_lines(b.param + i, n * 4, true);
+    if (b.lowp_kind != LowpKind::kNone) prefetch_lines(b.lowp + i, n * 2, true);
+  } else {
+    prefetch_lines(b.param_bf16 + i, n * 2, true);
+  }
+  prefetch_lines(b.exp_avg.codes + i, n, true);
+  prefetch_lines(b.exp_avg_sq.codes + i, n, true);
+}
+
 template <class Ops, template <class> class Param>
 void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Param<Ops>& q,
                      const Param<ScalarOps>& q1, int64_t begin, int64_t end) {
   alignas(64) float m_new[kBlockwise8BlockSize];
   alignas(64) float v_new[kBlockwise8BlockSize];
   for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
+    const int64_t ahead = block_begin + kPrefetchBlocks * kBlockwise8BlockSize;
+    if (ahead + kBlockwise8BlockSize <= end) prefetch_block(b, ahead);
     const int64_t block_end =
         end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;
     const int64_t block = block_begin / kBlockwise8BlockSize;
