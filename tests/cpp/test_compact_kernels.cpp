@@ -621,6 +621,65 @@ TEST(CompactAdamKernels, Blockwise8TiesGoToTheLowerCode) {
   }
 }
 
+// The vector paths compute most codes from the float's exponent and a linear
+// formula per decade of the map, from the value times the reciprocal of the
+// absmax, and fall back on the search of the exact quotient only near a
+// midpoint. Checked against the definition (the number of midpoints below
+// value / absmax, found by bisection here) on a sweep of [-1, 1] (every
+// 509th float), every midpoint and its 8 float neighbours on either side, and
+// the same values multiplied by absmaxes other than 1, whose reciprocal is
+// inexact.
+TEST(CompactAdamKernels, Blockwise8CodesAreExactOnADenseSweepAndAtEveryMidpoint) {
+  for (bool is_signed : {true, false}) {
+    const float* map = blockwise8_map(is_signed);
+    std::vector<float> midpoints;
+    for (int k = 0; k < 255; ++k) midpoints.push_back((map[k] + map[k + 1]) * 0.5f);
+    auto code_of = [&](float y) {
+      if (y != y) return 0;
+      return static_cast<int>(std::lower_bound(midpoints.begin(), midpoints.end(), y) -
+                              midpoints.begin());
+    };
+    std::vector<float> ys;
+    for (uint32_t u = 0; u <= 0x3F800000u; u += 509) {
+      ys.push_back(FromBits(u));
+      ys.push_back(FromBits(u | 0x80000000u));
+    }
+    for (float m : midpoints) {
+      for (int delta = -8; delta <= 8; ++delta) {
+        const uint32_t u = Bits(m) + static_cast<uint32_t>(delta);
+        if ((u & 0x7FFFFFFFu) <= 0x3F800000u) ys.push_back(FromBits(u));
+      }
+    }
+    for (float y : {1.0f, -1.0f, 0.0f, -0.0f, 1e-30f, -1e-41f}) ys.push_back(y);
+    for (float absmax : {1.0f, 3.0f, 0.7f, 1.2345e-3f, 6.1e-9f, 8.5e25f, 3e38f, 1e-39f}) {
+      // Blocks of one absmax: element 0 holds it, the others y * absmax.
+      std::vector<float> src;
+      for (size_t i = 0; i < ys.size(); ++i) {
+        if (src.size() % kBlockwise8BlockSize == 0) src.push_back(absmax);
+        float x = ys[i] * absmax;
+        if (!(std::fabs(x) <= absmax)) x = std::copysign(absmax, x);
+        src.push_back(x);
+      }
+      const int64_t n = static_cast<int64_t>(src.size());
+      std::vector<uint8_t> expected(src.size());
+      for (size_t i = 0; i < src.size(); ++i) {
+        expected[i] = static_cast<uint8_t>(code_of(src[i] / absmax));
+      }
+      for (const KernelTable* t : SupportedTables()) {
+        std::vector<uint8_t> codes(src.size());
+        std::vector<float> absmaxes(static_cast<size_t>(blockwise8_num_blocks(n)));
+        t->quantize_blockwise8(src.data(), codes.data(), absmaxes.data(), 0, n, is_signed);
+        for (float a : absmaxes) ASSERT_EQ(a, absmax);
+        const int64_t i = FirstDifference(codes, expected);
+        ASSERT_EQ(i, -1) << TableName(t) << (is_signed ? " signed" : " unsigned") << " absmax "
+                         << absmax << " value " << src[static_cast<size_t>(i)] << " code "
+                         << int{codes[static_cast<size_t>(i)]} << " expected "
+                         << int{expected[static_cast<size_t>(i)]};
+      }
+    }
+  }
+}
+
 TEST(CompactAdamKernels, StochasticRoundingPicksABf16NeighbourByTheDocumentedHash) {
   uint64_t seed = 5000;
   for (const Options& o : OptionGrid()) {

@@ -17,6 +17,7 @@ inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x))
 
 struct Avx2Ops {
   static constexpr int64_t kWidth = 8;
+  static constexpr bool kDirectCodes = false;
   using V = __m256;
   using Flag = __m256i;  // all-ones lanes where a non-finite value was seen
 

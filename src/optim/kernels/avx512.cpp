@@ -6,8 +6,10 @@
 #if defined(__x86_64__) && defined(__AVX512F__)
 
 // GCC 12 flags the deliberately undefined pass-through operand of the unmasked
-// AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized.
+// AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized, or, once
+// inlined into a larger function, as uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include <immintrin.h>
 
@@ -22,6 +24,7 @@ inline __m512i splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x))
 
 struct Avx512Ops {
   static constexpr int64_t kWidth = 16;
+  static constexpr bool kDirectCodes = true;
   using V = __m512;
   using Flag = __mmask16;  // lanes where a non-finite value was seen
 
@@ -158,6 +161,58 @@ struct Avx512Ops {
     node = descend(node, permute128(search + 128, node), y);
     // node = 256 + code: the truncating narrowing keeps the code.
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(node));
+  }
+
+  // The codes of y (16 lanes) by Blockwise8Direct (see kernel_impl.h), as
+  // ScalarOps::nearest_code gives them for the exact quotient, when y is the
+  // value times the rounded reciprocal of the divisor: within 2 float steps
+  // of the exact quotient, which moves the position by under 2^-13 of an
+  // entry spacing (the rounding of the tables included), far less than the
+  // 2^-10 and kDirectNearCross steps that make a lane near a midpoint.
+  // Returns false, storing nothing, when some lane is near one: the approximate
+  // y might fall on the other side of it than the exact one (or tie with it).
+  // The position is formed with an FMA; it only picks the code, and the
+  // margins cover its rounding either way.
+  template <bool kSigned>
+  static bool store_codes_direct(uint8_t* dst, V y, const Blockwise8Direct& t) {
+    const __m512i bits = _mm512_castps_si512(y);
+    // Unsigned: negative y (sign bit set) clamps to the marked binade 31.
+    const __m512i magnitude = kSigned ? _mm512_and_si512(bits, splat(0x7FFFFFFFu)) : bits;
+    const __m512i abs = _mm512_max_epu32(_mm512_min_epu32(magnitude, splat(kDirectClampBits)),
+                                         splat(kDirectMinBits));
+    // Binade b in the exponent's low 5 bits (exponents 96 .. 127); the
+    // permutes read only those.
+    const __m512i binade = _mm512_srli_epi32(abs, 23);
+    const __m512i to_cross =
+        _mm512_sub_epi32(abs, _mm512_permutex2var_epi32(_mm512_load_si512(t.cross_near), binade,
+                                                        _mm512_load_si512(t.cross_near + 16)));
+    const __m512i below = _mm512_permutex2var_epi32(_mm512_load_si512(t.decade_below), binade,
+                                                    _mm512_load_si512(t.decade_below + 16));
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(to_cross, splat(kDirectNearCross));
+    const __m512i decade = _mm512_mask_add_epi32(below, above, below, splat(1));
+    const V pos = _mm512_fmadd_ps(_mm512_castsi512_ps(abs),
+                                  _mm512_permutexvar_ps(decade, _mm512_load_ps(t.scale)),
+                                  _mm512_permutexvar_ps(decade, _mm512_load_ps(t.offset)));
+    const __m512i grid = _mm512_castps_si512(_mm512_add_ps(pos, set1(kDirectGrid)));
+    const __mmask16 near = _mm512_cmplt_epu32_mask(to_cross, splat(2 * kDirectNearCross)) |
+                           _mm512_testn_epi32_mask(grid, splat(0x1FF));
+    if (near != 0) return false;
+    const __m512i k = _mm512_min_epi32(_mm512_srli_epi32(grid, 9),
+                                       _mm512_permutexvar_epi32(decade, _mm512_load_si512(t.last)));
+    if (kSigned) {
+      // code - 128: k - 1 for y >= 0, -1 - k below (k = 128, no -1 in the
+      // map, saturates to code 0 as well).
+      const __mmask16 negative = _mm512_test_epi32_mask(bits, splat(0x80000000u));
+      __m512i biased = _mm512_sub_epi32(k, splat(kDirectBias + 1));
+      biased = _mm512_mask_sub_epi32(biased, negative, splat(kDirectBias - 1), k);
+      const __m128i codes =
+          _mm_xor_si128(_mm512_cvtsepi32_epi8(biased), _mm_set1_epi8(static_cast<char>(0x80)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), codes);
+    } else {
+      // The bias is a multiple of 256: the low byte is k.
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(k));
+    }
+    return true;
   }
 
   using AbsBits = __m512i;

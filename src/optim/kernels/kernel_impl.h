@@ -52,6 +52,7 @@ constexpr float kScaleToZero = 0x1.0p-110f;
 
 struct ScalarOps {
   static constexpr int64_t kWidth = 1;
+  static constexpr bool kDirectCodes = false;  // the search is the reference
   using V = float;
   using Flag = bool;
 
@@ -157,6 +158,49 @@ inline void store_lowp(uint16_t* dst, typename Ops::V v, LowpKind kind) {
 
 // ---- Compact-state constants -------------------------------------------------
 
+// Tables of the direct code computation of the vector paths
+// (store_codes_direct): the code of y follows from |y| without a search.
+// k counts the midpoints below |y| on the non-negative side of the map
+// (entries 0 .. K: 0, the decades from 1e-7 up, then 1; K = 128 signed, 255
+// unsigned). The side splits into "decade" ranges d = 0 .. 8 at the midpoints
+// between decades ("cross" midpoints): d = 0 is the entry 0, d = 1 .. 7 the
+// decades 10^-6 .. 10^0, d = 8 the entry 1. Inside decade d the entries are
+// equally spaced, so k = floor(|y| * scale[d] + offset[d]) up to rounding,
+// capped at last[d] (the formula runs past the decade's last entry up to the
+// next cross midpoint). The decade comes from the float's exponent: each of
+// the 32 binades [2^(b - 31), 2^(b - 30)) holds at most one cross midpoint c,
+// and d = decade_below[b] + (|y| > c).
+//
+// The vector paths work on the float bits: cross_near[b] is c's bits minus
+// kDirectNearCross (0x7F000000 where the binade has no c: never reached), so
+// that one difference gives both |y| > c and "within kDirectNearCross float
+// steps of c". |y| is first clamped to [2^-31, kDirectClampBits], so that the
+// exponent's low 5 bits index the binade. Nothing above 1 comes from a value
+// divided by its block's absmax; should it (or NaN bits, or a negative y of
+// the unsigned map, compared as unsigned), it clamps to kDirectClampBits,
+// which cross_near[31] marks as near a midpoint: such lanes take the search.
+// The position is rounded to a grid of 2^-9 by adding kDirectGrid; the float
+// bits then hold kDirectBias + floor(position) above 9 bits of fraction, and
+// a zero fraction marks a position within 2^-10 of a midpoint.
+constexpr int32_t kDirectNearCross = 64;
+constexpr uint32_t kDirectClampBits = 0x3F900000u;  // 1.125
+constexpr uint32_t kDirectMinBits = 0x30000000u;    // 2^-31
+constexpr float kDirectGrid = 24576.0f;             // 1.5 * 2^14: floats 2^-9 apart
+// The bits of kDirectGrid + p, shifted right by 9, for p in [0, 2^13):
+// exponent 141 above 2^13 + floor(p). A multiple of 256, so the low byte is
+// floor(p).
+constexpr int32_t kDirectBias = (141 << 14) + (1 << 13);
+static_assert(kDirectBias % 256 == 0, "the bias leaves the low byte of a code alone");
+
+struct alignas(64) Blockwise8Direct {
+  int32_t cross_near[32];
+  int32_t decade_below[32];
+  float scale[16];
+  float offset[16];
+  int32_t last[16];  // kDirectBias + the decade's last k
+  bool is_signed;
+};
+
 // The blockwise-8 maps and the midpoints between neighbours, computed at
 // compile time (exactly, so every ISA file holds the same bits). See
 // blockwise8_map() in kernels.h for the construction.
@@ -172,6 +216,7 @@ struct alignas(64) Blockwise8Map {
   // with in-register permutes of search[0..15], [16..31], ... (depths 0-3,
   // 4, 5, 6 and 7) instead of gathers. search[0] is unused.
   float search[256];
+  Blockwise8Direct direct;
 };
 
 struct Blockwise8Maps {
@@ -216,12 +261,66 @@ constexpr void fill_thresholds(Blockwise8Map* map) {
   }
 }
 
+constexpr void fill_direct(Blockwise8Map* map, bool is_signed) {
+  Blockwise8Direct& t = map->direct;
+  // The non-negative side starts at code 127 (signed) or 0 (unsigned).
+  const int first = is_signed ? 127 : 0;
+  const int last_k = 255 - first;
+  const float* midpoints = map->thresholds + first;  // midpoints[k]: between entries k, k + 1
+  t.is_signed = is_signed;
+  float cross[8] = {};
+  int base = 1;  // k of the decade's first entry
+  t.scale[0] = 0;
+  t.offset[0] = 0.5f;
+  t.last[0] = kDirectBias;
+  for (int d = 1; d <= 7; ++d) {
+    const int e = 7 - d;
+    const int f = (is_signed ? 6 : 7) - e;
+    double decade = 1;
+    for (int i = 0; i < e; ++i) decade *= 10;
+    // Entry j of the decade is decade^-1 (0.1 + 0.9 (j + 1/2) / 2^f): k + 1/2
+    // at the entries, k + 1 at the midpoints between them.
+    const double steps = static_cast<double>(1 << f);
+    t.scale[d] = static_cast<float>(steps * decade / 0.9);
+    t.offset[d] = static_cast<float>(base - 0.1 * steps / 0.9);
+    t.last[d] = kDirectBias + base + (1 << f) - 1;
+    cross[d - 1] = midpoints[base - 1];
+    base += 1 << f;
+  }
+  cross[7] = midpoints[base - 1];  // between the last decade and 1
+  t.scale[8] = 0;
+  t.offset[8] = static_cast<float>(last_k) + 0.5f;
+  t.last[8] = kDirectBias + last_k;
+  for (int d = 9; d < 16; ++d) {
+    t.scale[d] = 0;
+    t.offset[d] = 0.5f;
+    t.last[d] = kDirectBias;
+  }
+  double low = 1;  // 2^(b - 31)
+  for (int b = 0; b < 31; ++b) low *= 0.5;
+  for (int b = 0; b < 32; ++b) {
+    const double high = 2 * low;
+    int below = 0;
+    uint32_t cross_bits = 0x7F000000u;  // no cross midpoint: far above any clamped |y|
+    for (const float c : cross) {
+      if (c < low) ++below;
+      if (c >= low && c < high) cross_bits = __builtin_bit_cast(uint32_t, c);
+    }
+    if (b == 31) cross_bits = kDirectClampBits;  // [1, 2): no midpoint, but the clamp
+    t.cross_near[b] = static_cast<int32_t>(cross_bits) - kDirectNearCross;
+    t.decade_below[b] = below;
+    low *= 2;
+  }
+}
+
 constexpr Blockwise8Maps make_blockwise8_maps() {
   Blockwise8Maps maps{};
   fill_dynamic_map(maps.signed_map.values, true);
   fill_dynamic_map(maps.unsigned_map.values, false);
   fill_thresholds(&maps.signed_map);
   fill_thresholds(&maps.unsigned_map);
+  fill_direct(&maps.signed_map, true);
+  fill_direct(&maps.unsigned_map, false);
   return maps;
 }
 
@@ -414,6 +513,25 @@ void adam_range(const AdamHyper& hyper, const AdamBuffers& buffers, int64_t begi
 
 // ---- Adam with compact states ---------------------------------------------
 
+// The whole vectors of codes[0, len) from values[0, len) / divisor by the
+// direct computation, each vector the search on the exact quotient instead
+// where the direct one cannot vouch for its result. Returns the number of
+// codes written.
+template <class Ops, bool kSigned>
+inline int64_t store_codes_direct(const float* values, int64_t len, float reciprocal, float divisor,
+                                  const Blockwise8Map& map, uint8_t* codes) {
+  const typename Ops::V r = Ops::set1(reciprocal);
+  const typename Ops::V d = Ops::set1(divisor);
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
+    const typename Ops::V x = Ops::load(values + i);
+    if (!Ops::template store_codes_direct<kSigned>(codes + i, Ops::mul(x, r), map.direct)) {
+      Ops::store_codes(codes + i, Ops::div(x, d), map.search);
+    }
+  }
+  return i;
+}
+
 // codes[0, len) and *absmax from values[0, len) (one block): the absmax is the
 // integer max of the magnitudes' bits, so NaN wins over inf over any number
 // and the order of the lanes does not matter.
@@ -432,11 +550,59 @@ inline void quantize_block(const float* values, int64_t len, const Blockwise8Map
   const float divisor = amax > 0 ? amax : 1.0f;
   const typename Ops::V d = Ops::set1(divisor);
   i = 0;
+  if constexpr (Ops::kDirectCodes) {
+    // The direct codes work from the values times the reciprocal of the
+    // divisor (a product instead of a division) and give way to the search on
+    // the exact quotient where that could differ; the reciprocal has to be a
+    // normal number for that bound to hold.
+    if (divisor >= 0x1.0p-126f && divisor <= 0x1.0p+126f) {
+      const float reciprocal = 1.0f / divisor;
+      i = map.direct.is_signed
+              ? store_codes_direct<Ops, true>(values, len, reciprocal, divisor, map, codes)
+              : store_codes_direct<Ops, false>(values, len, reciprocal, divisor, map, codes);
+    }
+  }
   for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
     Ops::store_codes(codes + i, Ops::div(Ops::load(values + i), d), map.search);
   }
   for (; i < len; ++i) codes[i] = ScalarOps::nearest_code(values[i] / divisor, map.search);
   *absmax = amax;
+}
+
+// Software prefetch of the arrays of the block kPrefetchBlocks ahead (3072
+// elements, about 5 us of work): a blockwise-8 step spends so many
+// instructions per element that the out-of-order window holds few of its
+// loads, and with threads sharing memory it drew well under the bandwidth an
+// fp32 step gets; prefetching a few blocks ahead keeps more requests in
+// flight (about 10% per thread with two threads streaming).
+constexpr int64_t kPrefetchBlocks = 12;
+
+inline void prefetch_lines(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    if (write) {
+      __builtin_prefetch(c + i, 1);
+    } else {
+      __builtin_prefetch(c + i, 0);
+    }
+  }
+}
+
+inline void prefetch_block(const CompactAdamBuffers& b, int64_t i) {
+  const int64_t n = kBlockwise8BlockSize;
+  if (b.grad_bf16 != nullptr) {
+    prefetch_lines(b.grad_bf16 + i, n * 2, false);
+  } else {
+    prefetch_lines(b.grad + i, n * 4, false);
+  }
+  if (b.param_format == ParamFormat::kFp32) {
+    prefetch_lines(b.param + i, n * 4, true);
+    if (b.lowp_kind != LowpKind::kNone) prefetch_lines(b.lowp + i, n * 2, true);
+  } else {
+    prefetch_lines(b.param_bf16 + i, n * 2, true);
+  }
+  prefetch_lines(b.exp_avg.codes + i, n, true);
+  prefetch_lines(b.exp_avg_sq.codes + i, n, true);
 }
 
 template <class Ops, template <class> class Param>
@@ -445,6 +611,8 @@ void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Para
   alignas(64) float m_new[kBlockwise8BlockSize];
   alignas(64) float v_new[kBlockwise8BlockSize];
   for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
+    const int64_t ahead = block_begin + kPrefetchBlocks * kBlockwise8BlockSize;
+    if (ahead + kBlockwise8BlockSize <= end) prefetch_block(b, ahead);
     const int64_t block_end =
         end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;
     const int64_t block = block_begin / kBlockwise8BlockSize;

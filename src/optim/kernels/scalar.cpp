@@ -13,6 +13,7 @@ namespace {
 #if defined(__GNUC__)  // GCC and Clang
 struct PortableOps {
   static constexpr int64_t kWidth = 4;
+  static constexpr bool kDirectCodes = false;  // the search is the reference
   // A GCC/Clang vector extension type (16 bytes: SSE2 and NEON registers):
   // element-wise operators in the target's vector instructions.
   typedef float V __attribute__((vector_size(16)));
