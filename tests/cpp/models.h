@@ -201,5 +201,12 @@ inline std::vector<at::Tensor> values_of(const std::vector<at::Tensor>& params) 
   return out;
 }
 
+// Each tensor of `a` bitwise equal to the one at the same place in `b`.
+inline void expect_all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                             const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " " << i;
+}
+
 }  // namespace testing
 }  // namespace roundpipe

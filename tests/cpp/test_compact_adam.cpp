@@ -30,6 +30,7 @@
 #include "expect_error.h"
 #include "optim/checks.h"
 #include "optim/kernels/kernels.h"
+#include "stochastic_rounding_reference.h"
 
 namespace roundpipe {
 namespace optim {
@@ -575,40 +576,16 @@ TEST(CompactAdam, BitwiseIdenticalOnOneAndTwoDevices) {
 
 // ---- bf16 parameters --------------------------------------------------------
 
-// The stochastic rounding of kernels.h (CompactAdamBuffers::sr_seed), written
-// out from its documentation.
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-uint32_t LowBias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
-
 // fp32 `x` rounded to bf16 stochastically, element j = position in the
 // parameter, with adam.h's seeding: seed = the parameter's index over all
 // groups, step = the update's step number.
 Tensor StochasticBf16(const Tensor& x, uint64_t seed, uint64_t step) {
-  const uint64_t key = SplitMix64(SplitMix64(seed) ^ step);
-  const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
   const Tensor flat = x.contiguous().reshape(-1);
   Tensor out = torch::empty({flat.numel()}, torch::kBFloat16);
   const float* src = flat.data_ptr<float>();
   auto* dst = static_cast<uint16_t*>(out.data_ptr());
   for (int64_t j = 0; j < flat.numel(); ++j) {
-    uint32_t bits;
-    std::memcpy(&bits, &src[j], sizeof(bits));
-    const uint32_t r = LowBias32(LowBias32(static_cast<uint32_t>(j) ^ k0) ^
-                                 static_cast<uint32_t>(static_cast<uint64_t>(j) >> 32) ^ k1);
-    dst[j] = std::isnan(src[j]) ? 0x7FC0 : static_cast<uint16_t>((bits + (r >> 16)) >> 16);
+    dst[j] = roundpipe::testing::reference_bf16_stochastic(src[j], seed, step, static_cast<uint64_t>(j));
   }
   return out.reshape(x.sizes());
 }

@@ -12,6 +12,7 @@
 #include "engine/gradient_sums.h"
 #include "roundpipe/optim/adam.h"
 #include "models.h"
+#include "stochastic_rounding_reference.h"
 
 namespace roundpipe {
 namespace testing {
@@ -30,6 +31,21 @@ TEST(CompactGradients, BfloatSumsKeepTermsBelowHalfAnUlpOnAverage) {
   }
   EXPECT_TRUE(at::equal(nearest, at::ones({n}, at::kBFloat16))) << "the case round-to-nearest loses";
   EXPECT_NEAR(acc.to(at::kFloat).mean().item<double>(), 1.1, 0.002);
+}
+
+TEST(CompactGradients, BfloatSumsAreTheDocumentedStochasticRoundingBitwise) {
+  torch::manual_seed(1);
+  const at::Tensor start = at::randn({1000}).to(at::kBFloat16);
+  const at::Tensor term = at::randn({1000}).to(at::kBFloat16) * 0.01;
+  at::Tensor acc = start.clone();
+  accumulate_gradient(acc, term, /*sr_seed=*/17, /*sr_step=*/(uint64_t{5} << 16) + 2);
+  const at::Tensor exact = start.to(at::kFloat) + term.to(at::kFloat);  // the fp32 sum the kernel rounds
+  at::Tensor expected = at::empty({1000}, at::kBFloat16);
+  for (int64_t j = 0; j < 1000; ++j) {
+    static_cast<uint16_t*>(expected.data_ptr())[j] = reference_bf16_stochastic(
+        exact.data_ptr<float>()[j], 17, (uint64_t{5} << 16) + 2, static_cast<uint64_t>(j));
+  }
+  EXPECT_TRUE(at::equal(acc, expected));
 }
 
 TEST(CompactGradients, BfloatSumsAreReproducibleAndSeededPerUse) {
@@ -164,11 +180,9 @@ Trajectory train_compact(int64_t devices) {
 }
 
 void expect_bitwise_equal(const Trajectory& a, const Trajectory& b, const std::string& what) {
-  ASSERT_EQ(a.losses.size(), b.losses.size());
-  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_TRUE(torch::equal(a.losses[i], b.losses[i])) << what << " loss " << i;
-  ASSERT_EQ(a.params.size(), b.params.size());
-  for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << what << " param " << i;
-  for (size_t i = 0; i < a.copies.size(); ++i) EXPECT_TRUE(torch::equal(a.copies[i], b.copies[i])) << what << " copy " << i;
+  expect_all_equal(a.losses, b.losses, what + " loss");
+  expect_all_equal(a.params, b.params, what + " param");
+  expect_all_equal(a.copies, b.copies, what + " copy");
 }
 
 TEST(CompactEngine, BitwiseIdenticalOnOneTwoAndFourDevices) {

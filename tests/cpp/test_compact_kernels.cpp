@@ -18,6 +18,7 @@
 
 #include "optim/kernels/isa_kernels.h"
 #include "optim/kernels/kernels.h"
+#include "stochastic_rounding_reference.h"
 
 namespace roundpipe {
 namespace optim {
@@ -71,29 +72,8 @@ void ReferenceAdam(const AdamHyper& h, float grad, float* p, float* m, float* v,
   *p = *p + Rounded(h.neg_step_size * *m) / denom;
 }
 
-// The stochastic rounding hash of kernels.h (CompactAdamBuffers::sr_seed).
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-uint32_t LowBias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
-
 uint16_t Bf16Stochastic(float f, uint64_t seed, uint64_t step, uint64_t j) {
-  if (f != f) return 0x7FC0;
-  const uint64_t key = SplitMix64(SplitMix64(seed) ^ step);
-  const uint32_t r = LowBias32(LowBias32(static_cast<uint32_t>(j) ^ static_cast<uint32_t>(key)) ^
-                               static_cast<uint32_t>(j >> 32) ^ static_cast<uint32_t>(key >> 32));
-  return static_cast<uint16_t>((Bits(f) + (r >> 16)) >> 16);
+  return roundpipe::testing::reference_bf16_stochastic(f, seed, step, j);
 }
 
 // The nearest code by its definition: the number of midpoints below y.

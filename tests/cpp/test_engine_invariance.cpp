@@ -40,10 +40,8 @@ Trajectory train(int64_t devices, RecomputeGrain grain) {
 }
 
 void expect_bitwise_equal(const Trajectory& a, const Trajectory& b, const std::string& what) {
-  ASSERT_EQ(a.losses.size(), b.losses.size());
-  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_TRUE(torch::equal(a.losses[i], b.losses[i])) << what << " loss " << i;
-  ASSERT_EQ(a.params.size(), b.params.size());
-  for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << what << " param " << i;
+  expect_all_equal(a.losses, b.losses, what + " loss");
+  expect_all_equal(a.params, b.params, what + " param");
 }
 
 TEST(DeviceCountInvariance, BitwiseIdenticalOnOneTwoAndFourDevicesWithDropout) {
