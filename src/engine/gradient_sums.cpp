@@ -13,7 +13,8 @@ void accumulate_gradient(at::Tensor& acc, const at::Tensor& x, uint64_t sr_seed,
     acc.add_(x.to(acc.scalar_type()));
     return;
   }
-  TORCH_INTERNAL_ASSERT(acc.is_contiguous() && acc.numel() == x.numel());
+  TORCH_INTERNAL_ASSERT(acc.numel() == x.numel());
+  if (!acc.is_contiguous()) acc = acc.contiguous();  // e.g. a .grad the user set
   const at::Tensor xs = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   optim::kernels::add_bf16_stochastic(
       static_cast<uint16_t*>(acc.data_ptr()),

@@ -73,8 +73,9 @@ class GradientSums {
 };
 
 // `acc` += `x` for a gradient kept in `acc`'s dtype: a bf16 `acc` (updated in
-// place) rounds stochastically, seeded by `sr_seed` and `sr_step`; any other
-// adds `x` converted to it.
+// place; replaced by a contiguous copy first if it is not contiguous) rounds
+// stochastically, seeded by `sr_seed` and `sr_step`; any other adds `x`
+// converted to it.
 void accumulate_gradient(at::Tensor& acc, const at::Tensor& x, uint64_t sr_seed, uint64_t sr_step);
 
 }  // namespace roundpipe

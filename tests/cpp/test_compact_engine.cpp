@@ -66,6 +66,14 @@ TEST(CompactGradients, BfloatSumsAreReproducibleAndSeededPerUse) {
   EXPECT_TRUE(((got - exact).abs() <= exact.abs() / 128).all().item<bool>());
 }
 
+TEST(CompactGradients, ANonContiguousBfloatSumIsMadeContiguous) {
+  at::Tensor acc = at::ones({4, 3}, at::kBFloat16).t();
+  ASSERT_FALSE(acc.is_contiguous());
+  accumulate_gradient(acc, at::full({3, 4}, 0.5), 1, 1);
+  EXPECT_TRUE(acc.is_contiguous());
+  EXPECT_TRUE(at::equal(acc, at::full({3, 4}, 1.5, at::kBFloat16)));  // exact: no rounding
+}
+
 TEST(CompactGradients, FloatSumsAddExactlyAsBefore) {
   at::Tensor acc = at::full({5}, 1.0f);
   accumulate_gradient(acc, at::full({5}, 0.25, at::kBFloat16), 1, 1);
