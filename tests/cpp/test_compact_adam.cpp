@@ -78,6 +78,20 @@ const AdamParamState& StateOf(const torch::optim::Optimizer& opt, const Tensor& 
   return dynamic_cast<const AdamParamState&>(*opt.state().at(detail::state_key(p)));
 }
 
+// Copies of each parameter and its state tensors (an empty tensor where a
+// state has none), in parameter order.
+std::vector<Tensor> ParamsAndStates(const torch::optim::Optimizer& opt, const std::vector<Tensor>& params) {
+  std::vector<Tensor> out;
+  for (const Tensor& p : params) {
+    const auto& s = StateOf(opt, p);
+    for (const Tensor& t :
+         {p.detach(), s.exp_avg(), s.exp_avg_sq(), s.exp_avg_absmax(), s.exp_avg_sq_absmax()}) {
+      out.push_back(t.defined() ? t.clone() : torch::empty({0}));
+    }
+  }
+  return out;
+}
+
 bool Bitwise(const Tensor& a, const Tensor& b) {
   if (a.defined() != b.defined()) return false;
   if (!a.defined()) return true;
@@ -310,14 +324,7 @@ TEST(CompactAdam, AllSimdPathsGiveBitwiseEqualResults) {
       const auto params = RandomParams(15);
       AdamW opt(params, AdamWOptions(1e-2).state_dtype(dtype));
       RunSteps(params, RandomGrads(kSteps, 16), opt);
-      std::vector<Tensor> out;
-      for (const Tensor& p : params) {
-        const auto& s = StateOf(opt, p);
-        for (const Tensor& t :
-             {p.detach(), s.exp_avg(), s.exp_avg_sq(), s.exp_avg_absmax(), s.exp_avg_sq_absmax()}) {
-          out.push_back(t.defined() ? t.clone() : torch::empty({0}));
-        }
-      }
+      std::vector<Tensor> out = ParamsAndStates(opt, params);
       results.push_back(out);
       names.push_back(k::isa_name(isa));
     }
@@ -671,15 +678,7 @@ std::vector<Tensor> RunBf16(StateDtype dtype, uint64_t seed) {
   }
   AdamW opt(params, AdamWOptions(1e-2).state_dtype(dtype));
   RunSteps(params, grads, opt);
-  std::vector<Tensor> out;
-  for (const Tensor& p : params) {
-    const auto& s = StateOf(opt, p);
-    for (const Tensor& t :
-         {p.detach(), s.exp_avg(), s.exp_avg_sq(), s.exp_avg_absmax(), s.exp_avg_sq_absmax()}) {
-      out.push_back(t.defined() ? t.clone() : torch::empty({0}));
-    }
-  }
-  return out;
+  return ParamsAndStates(opt, params);
 }
 
 TEST(Bf16ParamAdam, BitwiseEqualOnEverySimdPathAndThreadCount) {
