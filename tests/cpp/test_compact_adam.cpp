@@ -147,10 +147,12 @@ Tensor Dequantize(const Tensor& codes, const Tensor& absmax, bool is_signed) {
 }
 
 // (codes, absmax) of flat fp32 `x`: absmax = max |x| per block of 256, codes
-// the number of midpoints of the map below x / absmax (ties to the lower).
+// the number of midpoints of the map below x / absmax (ties to the lower);
+// the unsigned map's first midpoint is 0, so that only 0 gets code 0.
 std::pair<Tensor, Tensor> Quantize(const Tensor& x, bool is_signed) {
   const Tensor map = Map(is_signed);
-  const Tensor midpoints = (map.narrow(0, 0, 255) + map.narrow(0, 1, 255)) * 0.5f;
+  Tensor midpoints = (map.narrow(0, 0, 255) + map.narrow(0, 1, 255)) * 0.5f;
+  if (!is_signed) midpoints[0] = 0.0f;
   const int64_t n = x.numel();
   Tensor codes = torch::empty({n}, torch::kByte);
   Tensor absmax = torch::empty({k::blockwise8_num_blocks(n)}, torch::kFloat);
@@ -308,6 +310,36 @@ TEST(CompactAdam, StateLayoutPerFormatAndThreshold) {
       EXPECT_FALSE(s.exp_avg_absmax().defined());
     }
   }
+}
+
+// Where exp_avg_sq is far below its block's absmax and the gradient then
+// stops, exp_avg_sq rounded to 0 would make the update exp_avg / eps (here
+// about 5000 lr); with the unsigned map's floor the update stays below lr, as
+// fp32 Adam's does.
+TEST(CompactAdam, Blockwise8SmallSecondMomentNeverTurnsIntoAHugeUpdate) {
+  const double lr = 1e-3;
+  Tensor p = torch::zeros({4096}, torch::requires_grad());
+  Tensor q = p.detach().clone().requires_grad_(true);
+  Adam compact({p}, AdamOptions(lr).state_dtype(StateDtype::kBlockwise8));
+  Adam fp32({q}, AdamOptions(lr));
+  Tensor g1 = torch::ones({4096});
+  g1[1] = 1e-4f;  // (1e-4)^2 is 1e-8 of the block's largest exp_avg_sq
+  Tensor g2 = torch::ones({4096});
+  g2[1] = 0.0f;
+  for (const Tensor& g : {g1, g2}) {
+    p.mutable_grad() = g.clone();
+    q.mutable_grad() = g.clone();
+    compact.step();
+    fp32.step();
+  }
+  const auto& s = StateOf(compact, p);
+  EXPECT_EQ(s.exp_avg_sq().scalar_type(), torch::kByte);
+  EXPECT_EQ(s.exp_avg_sq()[1].item<int>(), 1) << "the smallest positive code";
+  const double moved = std::fabs(p.detach()[1].item<double>());
+  const double moved_fp32 = std::fabs(q.detach()[1].item<double>());
+  EXPECT_GT(moved_fp32, lr);  // step 1 moves it by about lr
+  EXPECT_LT(moved, 2 * lr) << "fp32 Adam moved it by " << moved_fp32;
+  EXPECT_GT(moved, 0.5 * lr);
 }
 
 // ---- SIMD paths -----------------------------------------------------------------

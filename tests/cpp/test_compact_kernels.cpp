@@ -76,10 +76,21 @@ uint16_t Bf16Stochastic(float f, uint64_t seed, uint64_t step, uint64_t j) {
   return roundpipe::testing::reference_bf16_stochastic(f, seed, step, j);
 }
 
-// The nearest code by its definition: the number of midpoints below y.
-uint8_t ReferenceCode(float y, const float* map) {
+// The 255 thresholds between the codes of a map by their definition
+// (kernels.h): the midpoints between neighbouring entries, except that the
+// unsigned map's first one is 0, so that only 0 gets code 0.
+std::vector<float> Thresholds(bool is_signed) {
+  const float* map = blockwise8_map(is_signed);
+  std::vector<float> out;
+  for (int k = 0; k < 255; ++k) out.push_back((map[k] + map[k + 1]) * 0.5f);
+  if (!is_signed) out[0] = 0.0f;
+  return out;
+}
+
+// The code of y by its definition: the number of thresholds below y.
+uint8_t ReferenceCode(float y, bool is_signed) {
   int count = 0;
-  for (int k = 0; k < 255; ++k) count += (map[k] + map[k + 1]) * 0.5f < y ? 1 : 0;
+  for (float t : Thresholds(is_signed)) count += t < y ? 1 : 0;
   return static_cast<uint8_t>(count);
 }
 
@@ -459,8 +470,8 @@ void ReferenceBlockwise8(const AdamHyper& h, Problem* p, std::vector<float>* m_n
       v_absmax = std::max(v_absmax, std::fabs(v));
     }
     for (size_t i = begin; i < end; ++i) {
-      p->m_codes[i] = ReferenceCode((*m_new)[i] / (m_absmax > 0 ? m_absmax : 1.0f), smap);
-      p->v_codes[i] = ReferenceCode((*v_new)[i] / (v_absmax > 0 ? v_absmax : 1.0f), umap);
+      p->m_codes[i] = ReferenceCode((*m_new)[i] / (m_absmax > 0 ? m_absmax : 1.0f), true);
+      p->v_codes[i] = ReferenceCode((*v_new)[i] / (v_absmax > 0 ? v_absmax : 1.0f), false);
     }
     p->m_absmax[static_cast<size_t>(block)] = m_absmax;
     p->v_absmax[static_cast<size_t>(block)] = v_absmax;
@@ -567,11 +578,15 @@ TEST(CompactAdamKernels, Blockwise8QuantizationIsNearestAndZerosAreExact) {
       for (size_t i = 0; i < values.size(); ++i) {
         const float a = absmax[i / kBlockwise8BlockSize];
         const float y = values[i] / (a > 0 ? a : 1.0f);
-        ASSERT_EQ(codes[i], ReferenceCode(y, map)) << i;
-        // No other entry is nearer (up to the rounding of the midpoints).
+        ASSERT_EQ(codes[i], ReferenceCode(y, is_signed)) << i;
+        // No other entry is nearer (up to the rounding of the midpoints),
+        // but the unsigned map's 0 is for a quotient of 0 alone.
         const float error = std::fabs(y - map[codes[i]]);
+        if (!is_signed && y > 0) {
+          EXPECT_GE(codes[i], 1) << i;
+        }
         for (int k : {codes[i] - 1, codes[i] + 1}) {
-          if (k >= 0 && k < 256) {
+          if (k >= (!is_signed && y > 0 ? 1 : 0) && k < 256) {
             EXPECT_LE(error, std::fabs(y - map[k]) * (1 + 1e-6f)) << i;
           }
         }
@@ -585,11 +600,10 @@ TEST(CompactAdamKernels, Blockwise8QuantizationIsNearestAndZerosAreExact) {
 
 TEST(CompactAdamKernels, Blockwise8TiesGoToTheLowerCode) {
   // One block: 1 (so absmax = 1 and the division is exact), then every
-  // midpoint between neighbouring map entries.
+  // threshold between codes (the unsigned map's first is 0).
   for (bool is_signed : {true, false}) {
-    const float* map = blockwise8_map(is_signed);
     std::vector<float> values = {1.0f};
-    for (int k = 0; k < 255; ++k) values.push_back((map[k] + map[k + 1]) * 0.5f);
+    for (float t : Thresholds(is_signed)) values.push_back(t);
     for (const KernelTable* t : SupportedTables()) {
       std::vector<uint8_t> codes(values.size());
       float absmax = 0;
@@ -611,9 +625,7 @@ TEST(CompactAdamKernels, Blockwise8TiesGoToTheLowerCode) {
 // inexact.
 TEST(CompactAdamKernels, Blockwise8CodesAreExactOnADenseSweepAndAtEveryMidpoint) {
   for (bool is_signed : {true, false}) {
-    const float* map = blockwise8_map(is_signed);
-    std::vector<float> midpoints;
-    for (int k = 0; k < 255; ++k) midpoints.push_back((map[k] + map[k + 1]) * 0.5f);
+    const std::vector<float> midpoints = Thresholds(is_signed);
     auto code_of = [&](float y) {
       if (y != y) return 0;
       return static_cast<int>(std::lower_bound(midpoints.begin(), midpoints.end(), y) -

@@ -209,8 +209,12 @@ struct Avx512Ops {
           _mm_xor_si128(_mm512_cvtsepi32_epi8(biased), _mm_set1_epi8(static_cast<char>(0x80)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), codes);
     } else {
+      // k >= 1 but for +0 (a clamped |y| under the first entry computes 0).
+      const __m512i positive = _mm512_max_epi32(k, splat(kDirectBias + 1));
+      const __m512i unsigned_k =
+          _mm512_mask_mov_epi32(positive, _mm512_testn_epi32_mask(bits, bits), splat(0));
       // The bias is a multiple of 256: the low byte is k.
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(k));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(unsigned_k));
     }
     return true;
   }

@@ -169,7 +169,10 @@ inline void store_lowp(uint16_t* dst, typename Ops::V v, LowpKind kind) {
 // capped at last[d] (the formula runs past the decade's last entry up to the
 // next cross midpoint). The decade comes from the float's exponent: each of
 // the 32 binades [2^(b - 31), 2^(b - 30)) holds at most one cross midpoint c,
-// and d = decade_below[b] + (|y| > c).
+// and d = decade_below[b] + (|y| > c). The unsigned map's first cross
+// midpoint is 0 (its thresholds[0]), so there d >= 1 for every clamped |y|,
+// whose k is then at least 1 once capped below: the vector paths keep k = 0
+// for y = +0 alone.
 //
 // The vector paths work on the float bits: cross_near[b] is c's bits minus
 // kDirectNearCross (0x7F000000 where the binade has no c: never reached), so
@@ -206,7 +209,8 @@ struct alignas(64) Blockwise8Direct {
 // blockwise8_map() in kernels.h for the construction.
 struct alignas(64) Blockwise8Map {
   float values[256];
-  // thresholds[k] = (values[k] + values[k + 1]) / 2 for k < 255; [255] = +inf.
+  // thresholds[k] = (values[k] + values[k + 1]) / 2 for k < 255, except
+  // the unsigned map's thresholds[0] = 0; [255] = +inf.
   float thresholds[256];
   // The binary search over thresholds[0..254] as a heap: node i (1..255) at
   // depth d = floor(log2 i) splits the 2^(8 - d) codes left at that depth,
@@ -248,10 +252,12 @@ constexpr void fill_dynamic_map(float* map, bool is_signed) {
   }
 }
 
-constexpr void fill_thresholds(Blockwise8Map* map) {
+constexpr void fill_thresholds(Blockwise8Map* map, bool is_signed) {
   for (int k = 0; k < 255; ++k) {
     map->thresholds[k] = (map->values[k] + map->values[k + 1]) * 0.5f;
   }
+  // The unsigned map keeps code 0 for 0 alone (kernels.h, kBlockwise8).
+  if (!is_signed) map->thresholds[0] = 0.0f;
   map->thresholds[255] = __builtin_huge_valf();
   map->search[0] = __builtin_huge_valf();
   for (int depth = 0; depth < 8; ++depth) {
@@ -317,8 +323,8 @@ constexpr Blockwise8Maps make_blockwise8_maps() {
   Blockwise8Maps maps{};
   fill_dynamic_map(maps.signed_map.values, true);
   fill_dynamic_map(maps.unsigned_map.values, false);
-  fill_thresholds(&maps.signed_map);
-  fill_thresholds(&maps.unsigned_map);
+  fill_thresholds(&maps.signed_map, true);
+  fill_thresholds(&maps.unsigned_map, false);
   fill_direct(&maps.signed_map, true);
   fill_direct(&maps.unsigned_map, false);
   return maps;

@@ -147,7 +147,12 @@ enum class StateFormat {
   // the signed map, exp_avg_sq with the unsigned one (blockwise8_map()).
   // After the update, a block's new absmax is max |value| over the block and
   // each code is the nearest map entry to value / absmax (ties to the lower
-  // code). An inf or NaN in a block makes the whole block's states non-finite.
+  // code), except that exp_avg_sq's code 0 (the entry 0) is for 0 alone: a
+  // positive value under the map's smallest positive entry (3.25e-7) gets
+  // that entry. Rounded to 0, a small exp_avg_sq beside a nonzero exp_avg
+  // would turn the update into exp_avg / eps, up to 1e5 times lr; the floor
+  // only shrinks such updates. An inf or NaN in a block makes the whole
+  // block's states non-finite.
   // No amsgrad.
   kBlockwise8 = 2,
 };
