@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.h"
 #include "models.h"
 #include "optim/adam_state.h"
-#include "expect_error.h"
 #include "optim/checks.h"
 #include "optim/kernels/kernels.h"
 #include "stochastic_rounding_reference.h"
@@ -80,7 +80,8 @@ const AdamParamState& StateOf(const torch::optim::Optimizer& opt, const Tensor& 
 
 // Copies of each parameter and its state tensors (an empty tensor where a
 // state has none), in parameter order.
-std::vector<Tensor> ParamsAndStates(const torch::optim::Optimizer& opt, const std::vector<Tensor>& params) {
+std::vector<Tensor> ParamsAndStates(const torch::optim::Optimizer& opt,
+                                    const std::vector<Tensor>& params) {
   std::vector<Tensor> out;
   for (const Tensor& p : params) {
     const auto& s = StateOf(opt, p);
@@ -474,25 +475,25 @@ TEST(CompactAdam, ChangingStateDtypeConvertsAtTheNextStep) {
 
 TEST(CompactAdam, RejectsAmsgradWith8BitStates) {
   const auto params = RandomParams(23);
-  testing::expect_message(testing::error_of<c10::ValueError>([&] {
-                  Adam(params, AdamOptions().amsgrad(true).state_dtype(StateDtype::kBlockwise8));
-                }),
-                {"amsgrad is not supported with 8-bit states", "kBFloat16"});
+  testing::expect_message(
+      testing::error_of<c10::ValueError>(
+          [&] { Adam(params, AdamOptions().amsgrad(true).state_dtype(StateDtype::kBlockwise8)); }),
+      {"amsgrad is not supported with 8-bit states", "kBFloat16"});
   Adam opt(params, AdamOptions().state_dtype(StateDtype::kBlockwise8));
   static_cast<AdamOptions&>(opt.param_groups()[0].options()).amsgrad(true);
   testing::expect_message(testing::error_of<c10::ValueError>([&] { opt.step(); }),
-                {"amsgrad is not supported with 8-bit states", "parameter group 0"});
+                          {"amsgrad is not supported with 8-bit states", "parameter group 0"});
 }
 
 TEST(CompactAdam, RejectsFp16Fp64AndComplexParameters) {
   for (auto dtype : {torch::kHalf, torch::kDouble, torch::kComplexFloat}) {
     for (StateDtype state : {StateDtype::kFloat32, StateDtype::kBFloat16}) {
-      testing::expect_message(testing::error_of<c10::TypeError>([&] {
-                                Adam({torch::randn({4096}), torch::randn({8}).to(dtype)},
-                                     AdamOptions().state_dtype(state));
-                              }),
-                              {"Adam: parameter 1 (group 0, position 1)",
-                               "must be float32 or bfloat16, got"});
+      testing::expect_message(
+          testing::error_of<c10::TypeError>([&] {
+            Adam({torch::randn({4096}), torch::randn({8}).to(dtype)},
+                 AdamOptions().state_dtype(state));
+          }),
+          {"Adam: parameter 1 (group 0, position 1)", "must be float32 or bfloat16, got"});
     }
     // Added after construction: refused at step(), before anything changes.
     const Tensor a = torch::randn({8}, torch::kBFloat16).requires_grad_(true);
@@ -522,8 +523,8 @@ TEST(CompactAdam, RejectsStatesOfTheWrongSizeOrDtypeNamingTheTensor) {
   const auto b = Clones(a);
   AdamW opt_b(b, AdamWOptions().state_dtype(StateDtype::kBlockwise8));
   testing::expect_message(testing::error_of<c10::ValueError>([&] { Load(opt_b, bad_archive); }),
-                {"AdamW: parameter 1 (group 0, position 1)", "'exp_avg_sq_absmax' has 3 elements",
-                 "expected 28"});
+                          {"AdamW: parameter 1 (group 0, position 1)",
+                           "'exp_avg_sq_absmax' has 3 elements", "expected 28"});
   EXPECT_TRUE(opt_b.state().empty());
 
   // A state of another parameter's size, and a dtype that is no format.
@@ -534,12 +535,14 @@ TEST(CompactAdam, RejectsStatesOfTheWrongSizeOrDtypeNamingTheTensor) {
       testing::error_of<c10::ValueError>([&] { opt_a.step(); }),
       {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg' has 10 elements", "expected 4096"});
   s0.exp_avg(good.to(torch::kDouble));
-  testing::expect_message(testing::error_of<c10::TypeError>([&] { opt_a.step(); }),
-                {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg' has dtype Double"});
+  testing::expect_message(
+      testing::error_of<c10::TypeError>([&] { opt_a.step(); }),
+      {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg' has dtype Double"});
   s0.exp_avg(good);
   s0.exp_avg_sq(s0.exp_avg_sq().to(torch::kFloat));
-  testing::expect_message(testing::error_of<c10::TypeError>([&] { opt_a.step(); }),
-                {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg_sq' must be Byte"});
+  testing::expect_message(
+      testing::error_of<c10::TypeError>([&] { opt_a.step(); }),
+      {"AdamW: parameter 0 (group 0, position 0)", "'exp_avg_sq' must be Byte"});
 }
 
 // ---- the engine: checkpoints and device counts ----------------------------------
@@ -624,14 +627,16 @@ Tensor StochasticBf16(const Tensor& x, uint64_t seed, uint64_t step) {
   const float* src = flat.data_ptr<float>();
   auto* dst = static_cast<uint16_t*>(out.data_ptr());
   for (int64_t j = 0; j < flat.numel(); ++j) {
-    dst[j] = roundpipe::testing::reference_bf16_stochastic(src[j], seed, step, static_cast<uint64_t>(j));
+    dst[j] =
+        roundpipe::testing::reference_bf16_stochastic(src[j], seed, step, static_cast<uint64_t>(j));
   }
   return out.reshape(x.sizes());
 }
 
 std::vector<Tensor> Bf16(const std::vector<Tensor>& params) {
   std::vector<Tensor> out;
-  for (const Tensor& p : params) out.push_back(p.detach().to(torch::kBFloat16).requires_grad_(true));
+  for (const Tensor& p : params)
+    out.push_back(p.detach().to(torch::kBFloat16).requires_grad_(true));
   return out;
 }
 
@@ -677,8 +682,8 @@ TEST(Bf16ParamAdam, StepsMatchFp32UpdateWithDocumentedStochasticRounding) {
           }
           opt.step();
           for (size_t i = 0; i < params.size(); ++i) {
-            const std::string at = what + " step " + std::to_string(s + 1) + " param " +
-                                   std::to_string(i);
+            const std::string at =
+                what + " step " + std::to_string(s + 1) + " param " + std::to_string(i);
             ASSERT_EQ(params[i].scalar_type(), torch::kBFloat16) << at;
             EXPECT_TRUE(Bitwise(params[i].detach(), refs[i].p)) << at << ": parameter";
             // The states: those of the fp32 reference, compared in its layout.
@@ -841,8 +846,11 @@ TEST(Bf16ParamAdam, LowPrecisionCopyOfABf16ParameterIsRefused) {
 TEST(Bf16ParamAdam, SgdRefusesABf16ParameterNamingIt) {
   const Tensor a = torch::randn({8}, torch::kFloat).requires_grad_(true);
   const Tensor b = torch::randn({8}, torch::kBFloat16).requires_grad_(true);
-  testing::expect_message(testing::error_of<c10::TypeError>([&] { SGD({a, b}, SGDOptions(0.1)); }),
-                          {"SGD: parameter 1 (group 0, position 1)", "must be float32, got BFloat16"});
+  testing::expect_message(
+      testing::error_of<c10::TypeError>([&] {
+        SGD({a, b}, SGDOptions(0.1));
+      }),
+      {"SGD: parameter 1 (group 0, position 1)", "must be float32, got BFloat16"});
 }
 
 }  // namespace

@@ -97,11 +97,18 @@ uint8_t ReferenceCode(float y, bool is_signed) {
 std::vector<const KernelTable*> SupportedTables() {
   std::vector<const KernelTable*> out = {detail::scalar_kernels()};
   if (isa_supported(Isa::kAvx2)) out.push_back(detail::avx2_kernels());
-  if (isa_supported(Isa::kAvx512)) out.push_back(detail::avx512_kernels());
+  if (isa_supported(Isa::kAvx512)) {
+    out.push_back(detail::avx512_kernels());
+    // The table without the VBMI byte lookups, where the CPU has them.
+    if (detail::avx512_kernels_without_vbmi() != detail::avx512_kernels()) {
+      out.push_back(detail::avx512_kernels_without_vbmi());
+    }
+  }
   return out;
 }
 
 const char* TableName(const KernelTable* t) {
+  if (t == detail::avx512_kernels_without_vbmi()) return "avx512 (no vbmi)";
   if (t == detail::avx512_kernels()) return "avx512";
   if (t == detail::avx2_kernels()) return "avx2";
   return "scalar";

@@ -108,6 +108,9 @@ struct Avx2Ops {
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
     return _mm256_i32gather_ps(table, idx, 4);
   }
+  static int64_t dequantize_codes(const Blockwise8Map&, const uint8_t*, float, float*, int64_t) {
+    return 0;
+  }
 
   // Lane-wise ScalarOps::nearest_code.
   static void store_codes(uint8_t* dst, V y, const float* search) {

@@ -1,6 +1,7 @@
 // The AVX-512 kernels (16 floats per vector). Compiled with -mavx512f
-// -mavx512bw -mavx2 -mfma -ffp-contract=off; uses AVX-512F instructions only
-// and is called only after the dispatcher checked the CPU.
+// -mavx512bw -mavx2 -mfma -ffp-contract=off and called only after the
+// dispatcher checked the CPU; the blockwise-8 lookups use AVX512-VBMI byte
+// permutes where the CPU has them (one table with, one without).
 #include "optim/kernels/isa_kernels.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__)
@@ -22,6 +23,62 @@ namespace {
 
 inline __m512i splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
 
+// The byte order of 64 codes that makes the byte-to-float interleave below
+// (unpacks within 128-bit lanes) write elements in order: position
+// 16 L + 4 k + j (lane L, quarter k) holds element 16 k + 4 L + j.
+struct CodeOrder {
+  alignas(64) uint8_t index[64];
+};
+constexpr CodeOrder make_code_order() {
+  CodeOrder o{};
+  for (int lane = 0; lane < 4; ++lane) {
+    for (int k = 0; k < 4; ++k) {
+      for (int j = 0; j < 4; ++j)
+        o.index[16 * lane + 4 * k + j] = static_cast<uint8_t>(16 * k + 4 * lane + j);
+    }
+  }
+  return o;
+}
+constexpr CodeOrder kCodeOrder = make_code_order();
+
+// out[i] = map.values[codes[i]] * absmax for whole runs of 64 codes; returns
+// how many. Each byte of the 64 floats is looked up in its plane of the map
+// (value_bytes) by two 128-entry byte permutes, chosen by the code's top
+// bit; the four planes are then interleaved into floats. A separate function
+// with its own target: called only where the CPU has AVX512-VBMI.
+__attribute__((target("avx512vbmi"), noinline)) int64_t dequantize_codes_vbmi(
+    const Blockwise8Map& map, const uint8_t* codes, float absmax, float* out, int64_t len) {
+  const __m512i order = _mm512_load_si512(kCodeOrder.index);
+  const __m512 a = _mm512_set1_ps(absmax);
+  int64_t i = 0;
+  for (; i + 64 <= len; i += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i plane[4];
+    for (int b = 0; b < 4; ++b) {
+      const uint8_t* t = map.value_bytes[b];
+      const __m512i low_half =
+          _mm512_permutex2var_epi8(_mm512_load_si512(t), c, _mm512_load_si512(t + 64));
+      const __m512i high_half =
+          _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), c, _mm512_load_si512(t + 192));
+      plane[b] = _mm512_mask_blend_epi8(high, low_half, high_half);
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi8(plane[0], plane[1]);
+    const __m512i hi01 = _mm512_unpackhi_epi8(plane[0], plane[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(plane[2], plane[3]);
+    const __m512i hi23 = _mm512_unpackhi_epi8(plane[2], plane[3]);
+    const __m512i floats[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                               _mm512_unpacklo_epi16(hi01, hi23),
+                               _mm512_unpackhi_epi16(hi01, hi23)};
+    for (int k = 0; k < 4; ++k) {
+      _mm512_storeu_ps(out + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(floats[k]), a));
+    }
+  }
+  return i;
+}
+
+// kByteLookup: dequantize with dequantize_codes_vbmi (CPUs with AVX512-VBMI).
+template <bool kByteLookup>
 struct Avx512Ops {
   static constexpr int64_t kWidth = 16;
   static constexpr bool kDirectCodes = true;
@@ -138,6 +195,11 @@ struct Avx512Ops {
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     return permute256(table, idx);
   }
+  static int64_t dequantize_codes(const Blockwise8Map& map, const uint8_t* codes, float absmax,
+                                  float* out, int64_t len) {
+    if constexpr (kByteLookup) return dequantize_codes_vbmi(map, codes, absmax, out, len);
+    return 0;
+  }
 
   // One step of ScalarOps::nearest_code: node = 2 node + (t < y).
   static __m512i descend(__m512i node, V t, V y) {
@@ -227,12 +289,17 @@ struct Avx512Ops {
   static uint32_t absbits_reduce(AbsBits acc) { return _mm512_reduce_max_epu32(acc); }
 };
 
-constexpr detail::KernelTable kAvx512Table = make_table<Avx512Ops>();
+constexpr detail::KernelTable kAvx512Table = make_table<Avx512Ops<false>>();
+constexpr detail::KernelTable kAvx512VbmiTable = make_table<Avx512Ops<true>>();
 
 }  // namespace
 
 namespace detail {
-const KernelTable* avx512_kernels() { return &kAvx512Table; }
+const KernelTable* avx512_kernels() {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  return vbmi ? &kAvx512VbmiTable : &kAvx512Table;
+}
+const KernelTable* avx512_kernels_without_vbmi() { return &kAvx512Table; }
 }  // namespace detail
 
 }  // namespace kernels
@@ -246,6 +313,7 @@ namespace optim {
 namespace kernels {
 namespace detail {
 const KernelTable* avx512_kernels() { return nullptr; }
+const KernelTable* avx512_kernels_without_vbmi() { return nullptr; }
 }  // namespace detail
 }  // namespace kernels
 }  // namespace optim

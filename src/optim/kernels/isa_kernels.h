@@ -33,7 +33,10 @@ struct KernelTable {
 const KernelTable* scalar_kernels();
 // Null when this build has no such code (a non-x86 target).
 const KernelTable* avx2_kernels();
+// With AVX512-VBMI byte lookups where the CPU has them; both AVX-512 tables
+// give bitwise the same results.
 const KernelTable* avx512_kernels();
+const KernelTable* avx512_kernels_without_vbmi();
 
 }  // namespace detail
 }  // namespace kernels

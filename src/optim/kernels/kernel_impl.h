@@ -19,7 +19,11 @@
 // for the compact Adam states:
 //   load_bf16, store_bf16_stochastic (ScalarOps::bf16_stochastic_bits),
 //   lookup(table, codes) = table[codes[lane]] (table: 256 floats, 64-byte
-//   aligned), store_codes (nearest_code, same comparisons in the same order),
+//   aligned), dequantize_codes(map, codes, absmax, out, len): out[i] =
+//   map.values[codes[i]] * absmax for a prefix of [0, len) that it returns
+//   (0: the caller does it all with lookup; the vector paths may do whole
+//   runs of codes at once), store_codes (nearest_code, same comparisons in
+//   the same order),
 //   and an AbsBits accumulator: the max of (float bits & 0x7FFFFFFF) over
 //   lanes, an integer max, so its result does not depend on the order.
 #pragma once
@@ -109,6 +113,10 @@ struct ScalarOps {
     *dst = bf16_stochastic_bits(v, j, key);
   }
   static V lookup(const float* table, const uint8_t* codes) { return table[*codes]; }
+  template <class Map>
+  static int64_t dequantize_codes(const Map&, const uint8_t*, float, float*, int64_t) {
+    return 0;
+  }
   static void store_codes(uint8_t* dst, V y, const float* search) {
     *dst = nearest_code(y, search);
   }
@@ -220,6 +228,9 @@ struct alignas(64) Blockwise8Map {
   // with in-register permutes of search[0..15], [16..31], ... (depths 0-3,
   // 4, 5, 6 and 7) instead of gathers. search[0] is unused.
   float search[256];
+  // value_bytes[b][c]: byte b (little-endian) of values[c]'s bits, for the
+  // byte permutes of the AVX-512 VBMI lookups.
+  uint8_t value_bytes[4][256];
   Blockwise8Direct direct;
 };
 
@@ -327,6 +338,12 @@ constexpr Blockwise8Maps make_blockwise8_maps() {
   fill_thresholds(&maps.unsigned_map, false);
   fill_direct(&maps.signed_map, true);
   fill_direct(&maps.unsigned_map, false);
+  for (Blockwise8Map* map : {&maps.signed_map, &maps.unsigned_map}) {
+    for (int c = 0; c < 256; ++c) {
+      const uint32_t bits = __builtin_bit_cast(uint32_t, map->values[c]);
+      for (int b = 0; b < 4; ++b) map->value_bytes[b][c] = static_cast<uint8_t>(bits >> (8 * b));
+    }
+  }
   return maps;
 }
 
@@ -425,24 +442,18 @@ struct Bf16States {
   void store_max_v(int64_t i, V x) const { Ops::store_bf16(max_v + i, x); }
 };
 
-// One block of blockwise-8 states: loads dequantize with the block's old
-// absmax; stores go to fp32 scratch (indexed from the block start), which
-// quantize_block() narrows once the whole block is updated.
+// One block of blockwise-8 states, dequantized into fp32 scratch (indexed
+// from the block start) before the update, which updates them in place;
+// quantize_block() narrows them once the whole block is updated.
 template <class Ops>
 struct Blockwise8BlockStates {
   using V = typename Ops::V;
-  const uint8_t *m_codes, *v_codes;
-  V m_absmax, v_absmax;
-  float *m_new, *v_new;
+  float *m, *v;
   int64_t block_begin;
-  V load_m(int64_t i) const {
-    return Ops::mul(Ops::lookup(kBlockwise8Maps.signed_map.values, m_codes + i), m_absmax);
-  }
-  V load_v(int64_t i) const {
-    return Ops::mul(Ops::lookup(kBlockwise8Maps.unsigned_map.values, v_codes + i), v_absmax);
-  }
-  void store_m(int64_t i, V x) const { Ops::store(m_new + (i - block_begin), x); }
-  void store_v(int64_t i, V x) const { Ops::store(v_new + (i - block_begin), x); }
+  V load_m(int64_t i) const { return Ops::load(m + (i - block_begin)); }
+  V load_v(int64_t i) const { return Ops::load(v + (i - block_begin)); }
+  void store_m(int64_t i, V x) const { Ops::store(m + (i - block_begin), x); }
+  void store_v(int64_t i, V x) const { Ops::store(v + (i - block_begin), x); }
   // No amsgrad with blockwise-8 states.
   V load_max_v(int64_t) const { return Ops::set1(0); }
   void store_max_v(int64_t, V) const {}
@@ -575,6 +586,19 @@ inline void quantize_block(const float* values, int64_t len, const Blockwise8Map
   *absmax = amax;
 }
 
+// out[0, len) = map.values[codes[i]] * absmax: what Ops::dequantize_codes
+// does at once, then vectors of lookups, then single elements.
+template <class Ops>
+inline void dequantize_block(const Blockwise8Map& map, const uint8_t* codes, float absmax,
+                             float* out, int64_t len) {
+  int64_t i = Ops::dequantize_codes(map, codes, absmax, out, len);
+  const typename Ops::V a = Ops::set1(absmax);
+  for (; i + Ops::kWidth <= len; i += Ops::kWidth) {
+    Ops::store(out + i, Ops::mul(Ops::lookup(map.values, codes + i), a));
+  }
+  for (; i < len; ++i) out[i] = map.values[codes[i]] * absmax;
+}
+
 // Software prefetch of the arrays of the block kPrefetchBlocks ahead (3072
 // elements, about 5 us of work): a blockwise-8 step spends so many
 // instructions per element that the out-of-order window holds few of its
@@ -614,6 +638,7 @@ inline void prefetch_block(const CompactAdamBuffers& b, int64_t i) {
 template <class Ops, template <class> class Param>
 void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Param<Ops>& q,
                      const Param<ScalarOps>& q1, int64_t begin, int64_t end) {
+  // The block's states in fp32: dequantized, updated, then quantized.
   alignas(64) float m_new[kBlockwise8BlockSize];
   alignas(64) float v_new[kBlockwise8BlockSize];
   for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
@@ -622,15 +647,14 @@ void adam_blockwise8(const AdamHyper& h, const CompactAdamBuffers& b, const Para
     const int64_t block_end =
         end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;
     const int64_t block = block_begin / kBlockwise8BlockSize;
-    const float m_absmax = b.exp_avg.absmax[block];
-    const float v_absmax = b.exp_avg_sq.absmax[block];
-    const Blockwise8BlockStates<Ops> s{
-        b.exp_avg.codes, b.exp_avg_sq.codes, Ops::set1(m_absmax), Ops::set1(v_absmax), m_new,
-        v_new,           block_begin};
-    const Blockwise8BlockStates<ScalarOps> s1{
-        b.exp_avg.codes, b.exp_avg_sq.codes, m_absmax, v_absmax, m_new, v_new, block_begin};
-    adam_loop<Ops>(h, GradSource{b.grad, b.grad_bf16}, s, s1, q, q1, block_begin, block_end);
     const int64_t len = block_end - block_begin;
+    dequantize_block<Ops>(kBlockwise8Maps.signed_map, b.exp_avg.codes + block_begin,
+                          b.exp_avg.absmax[block], m_new, len);
+    dequantize_block<Ops>(kBlockwise8Maps.unsigned_map, b.exp_avg_sq.codes + block_begin,
+                          b.exp_avg_sq.absmax[block], v_new, len);
+    const Blockwise8BlockStates<Ops> s{m_new, v_new, block_begin};
+    const Blockwise8BlockStates<ScalarOps> s1{m_new, v_new, block_begin};
+    adam_loop<Ops>(h, GradSource{b.grad, b.grad_bf16}, s, s1, q, q1, block_begin, block_end);
     quantize_block<Ops>(m_new, len, kBlockwise8Maps.signed_map, b.exp_avg.codes + block_begin,
                         b.exp_avg.absmax + block);
     quantize_block<Ops>(v_new, len, kBlockwise8Maps.unsigned_map, b.exp_avg_sq.codes + block_begin,
@@ -693,18 +717,12 @@ void quantize_blockwise8_range(const float* src, uint8_t* codes, float* absmax, 
 template <class Ops>
 void dequantize_blockwise8_range(const uint8_t* codes, const float* absmax, float* dst,
                                  int64_t begin, int64_t end, bool is_signed) {
-  const float* map =
-      is_signed ? kBlockwise8Maps.signed_map.values : kBlockwise8Maps.unsigned_map.values;
+  const Blockwise8Map& map = is_signed ? kBlockwise8Maps.signed_map : kBlockwise8Maps.unsigned_map;
   for (int64_t block_begin = begin; block_begin < end; block_begin += kBlockwise8BlockSize) {
-    const int64_t block_end =
-        end - block_begin < kBlockwise8BlockSize ? end : block_begin + kBlockwise8BlockSize;
-    const float a = absmax[block_begin / kBlockwise8BlockSize];
-    const typename Ops::V av = Ops::set1(a);
-    int64_t i = block_begin;
-    for (; i + Ops::kWidth <= block_end; i += Ops::kWidth) {
-      Ops::store(dst + i, Ops::mul(Ops::lookup(map, codes + i), av));
-    }
-    for (; i < block_end; ++i) dst[i] = map[codes[i]] * a;
+    const int64_t len =
+        end - block_begin < kBlockwise8BlockSize ? end - block_begin : kBlockwise8BlockSize;
+    dequantize_block<Ops>(map, codes + block_begin, absmax[block_begin / kBlockwise8BlockSize],
+                          dst + block_begin, len);
   }
 }
 

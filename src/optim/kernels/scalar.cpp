@@ -61,6 +61,9 @@ struct PortableOps {
   static V lookup(const float* table, const uint8_t* codes) {
     return V{table[codes[0]], table[codes[1]], table[codes[2]], table[codes[3]]};
   }
+  static int64_t dequantize_codes(const Blockwise8Map&, const uint8_t*, float, float*, int64_t) {
+    return 0;
+  }
   static void store_codes(uint8_t* dst, V y, const float* search) {
     for (int i = 0; i < kWidth; ++i) dst[i] = ScalarOps::nearest_code(y[i], search);
   }
