@@ -147,20 +147,35 @@ StateFormat check_adam_state(const ParamRef& ref, const AdamStateTensors& s, int
   return format;
 }
 
+namespace {
+
+// The code of 0 in a blockwise-8 map (what quantizing a zero block gives).
+int64_t zero_code(bool is_signed) {
+  const float* map = kernels::blockwise8_map(is_signed);
+  int64_t code = 0;
+  while (map[code] != 0.0f) ++code;
+  return code;
+}
+
+}  // namespace
+
+// Zero states made in their own format: no fp32 array of the parameter's
+// size to narrow (the largest, an embedding, would add 4 bytes per element
+// to the first step's peak).
 AdamStateTensors zero_adam_state(const at::Tensor& param, StateFormat format, bool amsgrad) {
   AdamStateTensors s;
-  const at::Tensor zeros = at::zeros(param.sizes(), param.options().dtype(at::kFloat));
-  if (format == StateFormat::kFp32) {
-    s.exp_avg = zeros;
-    s.exp_avg_sq = at::zeros_like(zeros);
-    if (amsgrad) s.max_exp_avg_sq = at::zeros_like(zeros);
+  const at::TensorOptions options = param.options().dtype(dtype_of(format));
+  if (format == StateFormat::kBlockwise8) {
+    const int64_t blocks = kernels::blockwise8_num_blocks(param.numel());
+    s.exp_avg = at::full(param.sizes(), zero_code(/*is_signed=*/true), options);
+    s.exp_avg_sq = at::full(param.sizes(), zero_code(/*is_signed=*/false), options);
+    s.exp_avg_absmax = at::zeros({blocks}, param.options().dtype(at::kFloat));
+    s.exp_avg_sq_absmax = at::zeros({blocks}, param.options().dtype(at::kFloat));
     return s;
   }
-  s.exp_avg = narrow(zeros, format, /*is_signed=*/true, &s.exp_avg_absmax);
-  s.exp_avg_sq = narrow(zeros, format, /*is_signed=*/false, &s.exp_avg_sq_absmax);
-  if (amsgrad && format != StateFormat::kBlockwise8) {
-    s.max_exp_avg_sq = narrow(zeros, format, false, nullptr);
-  }
+  s.exp_avg = at::zeros(param.sizes(), options);
+  s.exp_avg_sq = at::zeros(param.sizes(), options);
+  if (amsgrad) s.max_exp_avg_sq = at::zeros(param.sizes(), options);
   return s;
 }
 
