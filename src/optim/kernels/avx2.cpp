@@ -17,7 +17,7 @@ inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x))
 
 struct Avx2Ops {
   static constexpr int64_t kWidth = 8;
-  static constexpr bool kDirectCodes = false;
+  static constexpr bool kDirectCodes = true;
   using V = __m256;
   using Flag = __m256i;  // all-ones lanes where a non-finite value was seen
 
@@ -108,8 +108,12 @@ struct Avx2Ops {
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
     return _mm256_i32gather_ps(table, idx, 4);
   }
-  static int64_t dequantize_codes(const Blockwise8Map&, const uint8_t*, float, float*, int64_t) {
-    return 0;
+  // Element by element: a gather per 8 codes costs far more (on CPUs with
+  // the gather microcode mitigations, several times the whole step).
+  static int64_t dequantize_codes(const Blockwise8Map& map, const uint8_t* codes, float absmax,
+                                  float* out, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) out[i] = map.values[codes[i]] * absmax;
+    return len;
   }
 
   // Lane-wise ScalarOps::nearest_code.
@@ -126,6 +130,75 @@ struct Avx2Ops {
     const __m128i w16 =
         _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w16, w16));
+  }
+
+  // table[idx mod 16] and table[idx mod 32] per lane (64-byte aligned
+  // tables): permutes of 8 entries, blended by bits 3 and 4 of idx.
+  static __m256i select_by_bit(__m256i a, __m256i b, __m256i idx, int bit) {
+    const __m256 mask = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 31 - bit));
+    return _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), mask));
+  }
+  static __m256i permute8(const int32_t* table, __m256i idx) {
+    return _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(table)),
+                                       idx);
+  }
+  static __m256i permute16(const int32_t* table, __m256i idx) {
+    return select_by_bit(permute8(table, idx), permute8(table + 8, idx), idx, 3);
+  }
+  static __m256i permute32(const int32_t* table, __m256i idx) {
+    return select_by_bit(permute16(table, idx), permute16(table + 16, idx), idx, 4);
+  }
+  static V permute16(const float* table, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(table), idx),
+                            _mm256_permutevar8x32_ps(_mm256_load_ps(table + 8), idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
+
+  // Avx512Ops::store_codes_direct in 8 lanes, the same operations (the
+  // unsigned compares made of min and equality, the saturating narrowing of
+  // two packs): see there and Blockwise8Direct (kernel_impl.h).
+  template <bool kSigned>
+  static bool store_codes_direct(uint8_t* dst, V y, const Blockwise8Direct& t) {
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i magnitude = kSigned ? _mm256_and_si256(bits, splat(0x7FFFFFFFu)) : bits;
+    const __m256i abs = _mm256_max_epu32(_mm256_min_epu32(magnitude, splat(kDirectClampBits)),
+                                         splat(kDirectMinBits));
+    const __m256i binade = _mm256_srli_epi32(abs, 23);
+    const __m256i to_cross = _mm256_sub_epi32(abs, permute32(t.cross_near, binade));
+    const __m256i below = permute32(t.decade_below, binade);
+    // above is -1 where to_cross > kDirectNearCross: decade = below + 1 there.
+    const __m256i above = _mm256_cmpgt_epi32(to_cross, splat(kDirectNearCross));
+    const __m256i decade = _mm256_sub_epi32(below, above);
+    const V pos = _mm256_fmadd_ps(_mm256_castsi256_ps(abs), permute16(t.scale, decade),
+                                  permute16(t.offset, decade));
+    const __m256i grid = _mm256_castps_si256(_mm256_add_ps(pos, set1(kDirectGrid)));
+    // to_cross < 2 kDirectNearCross as unsigned numbers: min(x, c - 1) == x.
+    const __m256i near_cross =
+        _mm256_cmpeq_epi32(_mm256_min_epu32(to_cross, splat(2 * kDirectNearCross - 1)), to_cross);
+    const __m256i on_grid =
+        _mm256_cmpeq_epi32(_mm256_and_si256(grid, splat(0x1FF)), _mm256_setzero_si256());
+    if (_mm256_movemask_epi8(_mm256_or_si256(near_cross, on_grid)) != 0) return false;
+    const __m256i k = _mm256_min_epi32(_mm256_srli_epi32(grid, 9), permute16(t.last, decade));
+    __m128i narrow;
+    if (kSigned) {
+      const __m256i negative = _mm256_srai_epi32(bits, 31);
+      const __m256i up = _mm256_sub_epi32(k, splat(kDirectBias + 1));
+      const __m256i down = _mm256_sub_epi32(splat(kDirectBias - 1), k);
+      const __m256i biased = _mm256_blendv_epi8(up, down, negative);
+      const __m128i w16 =
+          _mm_packs_epi32(_mm256_castsi256_si128(biased), _mm256_extracti128_si256(biased, 1));
+      narrow = _mm_xor_si128(_mm_packs_epi16(w16, w16), _mm_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      const __m256i positive = _mm256_max_epi32(k, splat(kDirectBias + 1));
+      const __m256i zero = _mm256_cmpeq_epi32(bits, _mm256_setzero_si256());
+      const __m256i code = _mm256_andnot_si256(zero, _mm256_and_si256(positive, splat(0xFF)));
+      const __m128i w16 =
+          _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+      narrow = _mm_packus_epi16(w16, w16);
+    }
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), narrow);
+    return true;
   }
 
   using AbsBits = __m256i;
