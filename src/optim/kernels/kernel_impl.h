@@ -23,9 +23,11 @@
 //   map.values[codes[i]] * absmax for a prefix of [0, len) that it returns
 //   (0: the caller does it all with lookup; the vector paths may do whole
 //   runs of codes at once), store_codes (nearest_code, same comparisons in
-//   the same order),
-//   and an AbsBits accumulator: the max of (float bits & 0x7FFFFFFF) over
-//   lanes, an integer max, so its result does not depend on the order.
+//   the same order), with kDirectCodes also store_codes_direct<kSigned>
+//   (the codes by Blockwise8Direct, or false where a lane is near a
+//   midpoint; see Avx512Ops), and an AbsBits accumulator: the max of
+//   (float bits & 0x7FFFFFFF) over lanes, an integer max, so its result does
+//   not depend on the order.
 #pragma once
 
 #include <cstdint>
