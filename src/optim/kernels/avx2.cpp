@@ -126,10 +126,15 @@ struct Avx2Ops {
       node = _mm256_sub_epi32(_mm256_add_epi32(node, node), below);
     }
     // node = 256 + code: keep the low byte before the saturating packs.
-    const __m256i code = _mm256_and_si256(node, splat(0xFF));
-    const __m128i w16 =
-        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w16, w16));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst),
+                     narrow_bytes(_mm256_and_si256(node, splat(0xFF))));
+  }
+
+  // Eight lanes holding 0..255 -> their bytes in the low 8 bytes (two
+  // unsigned saturating packs, which keep such values as they are).
+  static __m128i narrow_bytes(__m256i x) {
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    return _mm_packus_epi16(w16, w16);
   }
 
   // table[idx mod 16] and table[idx mod 32] per lane (64-byte aligned
@@ -150,9 +155,7 @@ struct Avx2Ops {
     return select_by_bit(permute16(table, idx), permute16(table + 16, idx), idx, 4);
   }
   static V permute16(const float* table, __m256i idx) {
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(table), idx),
-                            _mm256_permutevar8x32_ps(_mm256_load_ps(table + 8), idx),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    return _mm256_castsi256_ps(permute16(reinterpret_cast<const int32_t*>(table), idx));
   }
 
   // Avx512Ops::store_codes_direct in 8 lanes, the same operations (the
@@ -192,10 +195,7 @@ struct Avx2Ops {
     } else {
       const __m256i positive = _mm256_max_epi32(k, splat(kDirectBias + 1));
       const __m256i zero = _mm256_cmpeq_epi32(bits, _mm256_setzero_si256());
-      const __m256i code = _mm256_andnot_si256(zero, _mm256_and_si256(positive, splat(0xFF)));
-      const __m128i w16 =
-          _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-      narrow = _mm_packus_epi16(w16, w16);
+      narrow = narrow_bytes(_mm256_andnot_si256(zero, _mm256_and_si256(positive, splat(0xFF))));
     }
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), narrow);
     return true;
