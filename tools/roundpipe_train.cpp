@@ -190,15 +190,6 @@ json memory_json(const std::vector<DeviceMemoryStats>& stats) {
   return out;
 }
 
-std::string checkpoint_path(const std::string& pattern, int64_t step) {
-  std::string out = pattern;
-  const std::string key = "{step}";
-  for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at)) {
-    out.replace(at, key.size(), std::to_string(step));
-  }
-  return out;
-}
-
 int run(const TrainOptions& o) {
   const auto start = Clock::now();
   // The pool is fixed at its first use: the spec must be in place before.
@@ -246,6 +237,10 @@ int run(const TrainOptions& o) {
                    (unused ? " (" + std::to_string(unused) + " unused)" : std::string());
   }
   if (dtype != at::kFloat) net->to(dtype);
+  if (o.lora_rank > cfg.hidden_size) {
+    fail("--lora-rank " + std::to_string(o.lora_rank) + " is out of range: from 1 to the hidden size (" +
+         std::to_string(cfg.hidden_size) + ")");
+  }
   if (o.lora_rank > 0) {
     LoraConfig lora;
     lora.rank = o.lora_rank;
@@ -414,7 +409,10 @@ int run(const TrainOptions& o) {
     flush();
     return loss;
   };
-  auto save = [&](int64_t step) {
+  // A mid-run save that fails (a full disk) costs that checkpoint, not the
+  // run: the previous one stays, training goes on, the next save tries
+  // again. The last save's failure is the run's error.
+  auto save = [&](int64_t step, bool last) {
     CheckpointState state;
     state.optimizer = &optimizer;
     state.scaler = sc;
@@ -422,8 +420,14 @@ int run(const TrainOptions& o) {
     state.extra_state = data.train->position().to_state();
     state.metadata_json = run_config.dump();
     const std::string path = checkpoint_path(o.checkpoint, step);
-    save_checkpoint(path, model,
-                    state);  // waits for the step in flight; the trajectory is unchanged
+    try {
+      save_checkpoint(path, model, state);  // waits for the step in flight; the trajectory is unchanged
+    } catch (const c10::Error& e) {
+      if (last) throw;
+      progress.message(std::string("warning: the checkpoint of step ") + std::to_string(step) +
+                       " was not written (" + e.what_without_backtrace() + "); training goes on");
+      return;
+    }
     flush();
     progress.message("checkpoint of step " + std::to_string(step) + " written to " + path);
   };
@@ -500,18 +504,18 @@ int run(const TrainOptions& o) {
     if (g_interrupted) {
       progress.finish();
       std::printf("interrupted: stopping after step %lld of %lld\n", (long long)step, (long long)last_step);
-      if (!o.checkpoint.empty()) save(step);  // resumable from here, as a mid-run checkpoint
+      if (!o.checkpoint.empty()) save(step, true);  // resumable from here, as a mid-run checkpoint
       model.synchronize();
       flush();
       return 130;
     }
     if (o.eval_every > 0 && step % o.eval_every == 0 && step != last_step) run_eval(step);
-    if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(step);
+    if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(step, false);
   }
   // Saved before synchronize(), which publishes the last step into the
   // masters: the checkpoint keeps the one-step delay, as mid-run ones do, so
   // a resumed run continues exactly as this one would have.
-  if (!o.checkpoint.empty()) save(last_step);
+  if (!o.checkpoint.empty()) save(last_step, true);
   model.synchronize();
   flush();
   const double train_s = seconds_since(train_start);

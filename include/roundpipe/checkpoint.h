@@ -44,7 +44,9 @@
 // not yet combined are refused). Every process loads the same file (e.g. on a
 // shared filesystem); a checkpoint resumes on any number of processes.
 //
-// Thread-compatible: call on the model's user thread, between calls.
+// Thread-safe as the model's calls (model.h): a save or load is one call of
+// the model; from inside the model's step_fn, loss_fn or layers it is an
+// error (save after step() returns instead).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -79,7 +81,11 @@ struct CheckpointState {
 // (see the top of this file). Waits for the queued optimizer work first; an
 // error of an asynchronous step_fn is rethrown here (nothing is written).
 // Throws c10::Error naming the file and the system error when it cannot be
-// written; the previous file at `path` is then unchanged.
+// written (a full disk, a missing directory); the temporary file is then
+// removed, the previous file at `path` is unchanged and the model trains on.
+// A `path` that is a symbolic link is written through (the file it points to
+// is replaced). A save interrupted through an InterruptScope (Python's
+// Ctrl-C) rethrows the interrupt and leaves no file.
 void save_checkpoint(const std::string& path, RoundPipe& model, const CheckpointState& state);
 
 // Restores a checkpoint into `model`, which must have the same architecture

@@ -129,12 +129,17 @@ c10::optional<int64_t> split_batch_size(const std::vector<c10::IValue>& args, co
 
 // Splits the inputs of a call into exactly n microbatches.
 // Throws c10::ValueError when a spec does not fit the value, a function returns
-// a different number of microbatches, or a tensor cannot be chunked (too small).
+// a different number of microbatches, a tensor cannot be chunked (too small),
+// or two tensors split (positional ones, or any TensorChunkSpec leaf) do not
+// have the same number of rows along their split dims.
 MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
                               const InputSplit& how);
 
-// Splits a label into exactly n microbatch labels.
-std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how);
+// Splits a label into exactly n microbatch labels. With `batch_size` (the
+// inputs', split_batch_size), every tensor split must have that many rows
+// (c10::ValueError naming both sizes otherwise).
+std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how,
+                                     c10::optional<int64_t> batch_size = c10::nullopt);
 
 // Merges n microbatch outputs into one value. Throws c10::ValueError
 // when non-tensor leaves differ across microbatches or structures differ.

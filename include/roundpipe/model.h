@@ -5,7 +5,11 @@
 // microbatches, run stages of consecutive layers as jobs on the devices in
 // round-robin order, and merge the results.
 //
-// Thread-compatible: one user thread drives an instance at a time. Several
+// Thread-safe: calls from several threads are serialized (a lock per model;
+// one call at a time, whichever thread takes it first). A call made from
+// inside the model's own user code (a step_fn on the optimizer thread, a
+// loss_fn or a layer on a device thread) throws c10::Error at once, naming
+// the call and that code: it would wait for the thread it runs on. Several
 // instances may share the devices.
 #pragma once
 

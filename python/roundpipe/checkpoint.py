@@ -48,6 +48,7 @@ def save_checkpoint(path, model, optimizer=None, scaler=None, step=0, extra=None
     _C.checkpoint_drain(anchor)
     state = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer_class": type(optimizer).__qualname__ if optimizer is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra,
     }
@@ -77,6 +78,11 @@ def load_checkpoint(path, model, optimizer=None, scaler=None):
         raise ValueError(f"load_checkpoint: '{path}' holds no optimizer state (it was saved without an optimizer)")
     if scaler is not None and state["scaler"] is None:
         raise ValueError(f"load_checkpoint: '{path}' holds no GradScaler state (it was saved without a scaler)")
+    saved_class = state.get("optimizer_class")
+    if optimizer is not None and saved_class is not None and saved_class != type(optimizer).__qualname__:
+        # torch's load_state_dict would take it, and the first step would fail.
+        raise ValueError(f"load_checkpoint: '{path}' holds the state of a {saved_class} optimizer, not of "
+                         f"a {type(optimizer).__qualname__}: build the optimizer the checkpoint was saved with")
     optimizer_before = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
     scaler_before = scaler.state_dict() if scaler is not None else None
     try:

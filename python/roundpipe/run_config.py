@@ -4,6 +4,10 @@ _FIELDS = ("num_microbatch", "recompute_grain", "output_device", "preserve_rng_s
            "requires_grad", "split_input", "split_label", "merge_output", "execute_plan")
 
 
+# The engine counts microbatches in 64-bit integers; no batch comes near this.
+_MAX_MICROBATCHES = 2**31 - 1
+
+
 class RoundPipeRunConfig:
     """Settings of a call. Every field defaults to None = inherit: a call's
     config overrides the model's (``model_run_config``), which overrides the
@@ -31,13 +35,15 @@ class RoundPipeRunConfig:
         if num_microbatch is not None:
             if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
                 raise TypeError(f"num_microbatch must be an int, got {type(num_microbatch).__name__}")
-            if num_microbatch < 1:
-                raise ValueError(f"num_microbatch must be >= 1, got {num_microbatch}")
+            if not 1 <= num_microbatch <= _MAX_MICROBATCHES:
+                raise ValueError(f"num_microbatch must be from 1 to {_MAX_MICROBATCHES}, got {num_microbatch}")
         if recompute_grain not in (None, "stage", "layer"):
             raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {recompute_grain!r}")
         for name, value in (("preserve_rng_state", preserve_rng_state), ("requires_grad", requires_grad)):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        if execute_plan is not None and not (hasattr(execute_plan, "fwd_plan") and hasattr(execute_plan, "bwd_plan")):
+            raise TypeError(f"execute_plan must be a roundpipe.ModelExecutePlan, got {type(execute_plan).__name__}")
         self.num_microbatch = num_microbatch
         self.recompute_grain = recompute_grain
         self.output_device = output_device

@@ -240,11 +240,31 @@ void check_same_structure(const c10::IValue& v0, const c10::IValue& vm, size_t m
 // ---------------------------------------------------------------------------
 // Split.
 
+// The rows of the first tensor split, which every other one split must
+// share (a batch of 6 inputs and 3 labels is a mistake, not 3 microbatches of
+// uneven halves).
+struct SplitRows {
+  c10::optional<int64_t> rows;
+  std::string path;  // of the tensor that set them
+
+  void note(const std::string& at, int64_t dim, int64_t n) {
+    if (!rows) {
+      rows = n;
+      path = at;
+      return;
+    }
+    TORCH_CHECK_VALUE(*rows == n, at, " has ", n, " rows along dim ", dim, " but ", path, " has ", *rows,
+                      ": the tensors split into microbatches must share their batch size (give a "
+                      "tensor that is not batched Replicate() in split_input / split_label)");
+  }
+};
+
 struct SplitContext {
   int64_t n;
   // Set while splitting kwargs: automatic tensors whose dim 0 differs from the
   // call's batch size are replicated rather than split.
   c10::optional<int64_t> batch_size;
+  SplitRows* rows = nullptr;  // null: not checked
 };
 
 Pieces replicate(const c10::IValue& v, int64_t n) { return Pieces(n, v); }
@@ -284,6 +304,7 @@ Pieces split_auto(const c10::IValue& v, const std::string& path, const SplitCont
   const at::Tensor& t = v.toTensor();
   if (!t.defined() || t.dim() == 0) return replicate(v, ctx.n);
   if (ctx.batch_size && t.size(0) != *ctx.batch_size) return replicate(v, ctx.n);
+  if (ctx.rows) ctx.rows->note(path, 0, t.size(0));
   return chunk(t, 0, ctx.n, path);
 }
 
@@ -311,6 +332,7 @@ Pieces split_value(const c10::IValue& v, const Spec& spec, const std::string& pa
       const int64_t dim = spec.dim() < 0 ? spec.dim() + t.dim() : spec.dim();
       TORCH_CHECK_VALUE(dim >= 0 && dim < t.dim(), path, ": TensorChunkSpec(", spec.dim(),
                         ") is out of range for ", describe(v));
+      if (ctx.rows) ctx.rows->note(path, dim, t.size(dim));
       return chunk(t, dim, ctx.n, path);
     }
     default:
@@ -581,7 +603,8 @@ static MicrobatchInputs split_inputs_unnamed(const std::vector<c10::IValue>& arg
   for (int64_t m = 0; m < n; ++m) {  // distinct dicts: Dict copies share storage
     out.kwargs.push_back(make_kwargs());
   }
-  SplitContext ctx{n, c10::nullopt};
+  SplitRows rows;
+  SplitContext ctx{n, c10::nullopt, &rows};
   for (size_t i = 0; i < args.size(); ++i) {
     const Spec& spec = how.args_spec ? (*how.args_spec)[i] : auto_spec();
     Pieces pieces = split_value(args[i], spec, c10::str("args[", i, "]"), ctx);
@@ -597,7 +620,8 @@ static MicrobatchInputs split_inputs_unnamed(const std::vector<c10::IValue>& arg
   return out;
 }
 
-static std::vector<c10::IValue> split_label_unnamed(const c10::IValue& label, int64_t n, const LabelSplit& how) {
+static std::vector<c10::IValue> split_label_unnamed(const c10::IValue& label, int64_t n, const LabelSplit& how,
+                                                    c10::optional<int64_t> batch_size) {
   check_num_microbatches(n);
   if (how.fn) {
     std::vector<c10::IValue> out = how.fn(label, n);
@@ -605,7 +629,9 @@ static std::vector<c10::IValue> split_label_unnamed(const c10::IValue& label, in
                       out.size(), " microbatches, expected ", n);
     return out;
   }
-  return split_value(label, how.spec, "label", SplitContext{n, c10::nullopt});
+  SplitRows rows;
+  if (batch_size) rows = SplitRows{batch_size, "the inputs"};
+  return split_value(label, how.spec, "label", SplitContext{n, c10::nullopt, &rows});
 }
 
 static c10::IValue merge_outputs_unnamed(const std::vector<c10::IValue>& outputs, const OutputMerge& how) {
@@ -633,8 +659,9 @@ MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs
   return naming("split_inputs", [&] { return split_inputs_unnamed(args, kwargs, n, how); });
 }
 
-std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how) {
-  return naming("split_label", [&] { return split_label_unnamed(label, n, how); });
+std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how,
+                                     c10::optional<int64_t> batch_size) {
+  return naming("split_label", [&] { return split_label_unnamed(label, n, how, batch_size); });
 }
 
 c10::IValue merge_outputs(const std::vector<c10::IValue>& outputs, const OutputMerge& how) {

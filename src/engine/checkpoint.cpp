@@ -21,6 +21,7 @@
 #include "engine/model_impl.h"
 
 #include "engine/checkpoint_file.h"
+#include "util/file_error.h"
 #include "util/interrupt.h"
 
 #include <ATen/ATen.h>
@@ -219,6 +220,30 @@ std::vector<std::weak_ptr<RoundPipe::Impl>>& registry() {
   return models;
 }
 
+void write_checkpoint_file(const std::string& path, torch::serialize::OutputArchive& ar) {
+  CheckpointFileWriter writer(path);
+  // An interrupt stops the writing (the archive writer calls back from C
+  // code, which must not be unwound through): the rest of the archive is
+  // dropped, and the writer is never committed, so no file is left.
+  std::exception_ptr interrupt;
+  auto polled = std::chrono::steady_clock::now();
+  ar.save_to([&](const void* data, size_t size) -> size_t {
+    if (!interrupt && interruptible() && std::chrono::steady_clock::now() - polled >= kInterruptPollPeriod) {
+      polled = std::chrono::steady_clock::now();
+      try {
+        interrupt = poll_interrupt();
+      } catch (...) {
+        interrupt = std::current_exception();
+      }
+      if (interrupt) writer.discard();
+    }
+    return writer.write(data, size);
+  });
+  if (interrupt) std::rethrow_exception(interrupt);
+  writer.check_written();
+  writer.commit();
+}
+
 }  // namespace
 
 void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model) {
@@ -228,7 +253,10 @@ void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model) {
   models.push_back(model);
 }
 
-void quiesce_for_checkpoint(RoundPipe::Impl& model) { model.quiesce(); }
+void quiesce_for_checkpoint(RoundPipe::Impl& model) {
+  ModelUseLock::Scope use(model.use, "save_checkpoint");
+  model.quiesce();
+}
 
 std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
   if (!tensor.defined()) return nullptr;
@@ -269,6 +297,7 @@ std::vector<std::pair<std::string, at::Tensor>> named_masters(const RoundPipe::I
 void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const CheckpointState& state,
                           const std::string* extra) {
   TORCH_CHECK_VALUE(!path.empty(), "save_checkpoint: the path is empty");
+  ModelUseLock::Scope use(m.use, "save_checkpoint");
   // The step in flight finishes, but its result stays out of the masters:
   // the next calls must still see θ_{k-1}. Both generations are saved.
   m.quiesce();
@@ -350,35 +379,16 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
                                     at::TensorOptions().dtype(at::kByte)));
   }
 
-  CheckpointFileWriter writer(path);
-  // An interrupt stops the writing by a short count (the archive writer calls
-  // back from C code, which must not be unwound through) and leaves no file:
-  // the writer is never committed.
-  std::exception_ptr interrupt;
-  auto polled = std::chrono::steady_clock::now();
   try {
-    ar.save_to([&](const void* data, size_t size) -> size_t {
-      if (!interrupt && interruptible() && std::chrono::steady_clock::now() - polled >= kInterruptPollPeriod) {
-        polled = std::chrono::steady_clock::now();
-        try {
-          interrupt = poll_interrupt();
-        } catch (...) {
-          interrupt = std::current_exception();
-        }
-      }
-      return interrupt ? 0 : writer.write(data, size);
-    });
-  } catch (...) {
-    if (interrupt) std::rethrow_exception(interrupt);
-    writer.check_written();  // the system error is the better message
-    throw;
+    write_checkpoint_file(path, ar);
+  } catch (const FileError& e) {
+    throw FileError(e.error_number(), e.path(), std::string("save_checkpoint: ") + e.what_without_backtrace());
   }
-  if (interrupt) std::rethrow_exception(interrupt);
-  writer.commit();
 }
 
 PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr<RoundPipe::Impl>& model) {
   RoundPipe::Impl& m = *model;
+  ModelUseLock::Scope use(m.use, "load_checkpoint");
   m.quiesce();
   torch::serialize::InputArchive ar;
   read_checkpoint_file(path, ar);
@@ -484,6 +494,7 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
 
 void PendingCheckpoint::apply() {
   RoundPipe::Impl& m = *model;
+  ModelUseLock::Scope use(m.use, "load_checkpoint");
   // Nothing may run while the state is replaced (a step's error stays for
   // the next call).
   m.quiesce(/*raise_step_error=*/false);
@@ -506,6 +517,8 @@ void save_checkpoint(const std::string& path, RoundPipe& model, const Checkpoint
 }
 
 void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState& state) {
+  // One call: the optimizer's and scaler's loads belong to it.
+  ModelUseLock::Scope use(detail::EngineAccess::impl(model)->use, "load_checkpoint");
   detail::PendingCheckpoint pending =
       detail::read_checkpoint(path, detail::EngineAccess::impl(model));
   TORCH_CHECK_VALUE(state.optimizer == nullptr || pending.optimizer != nullptr, "load_checkpoint: '", path,

@@ -122,30 +122,29 @@ CheckpointFileWriter::CheckpointFileWriter(const std::string& path) : file_(path
   check_written();
 }
 
-size_t CheckpointFileWriter::write_raw(const void* data, size_t size) {
-  if (!error_.empty()) return 0;
+void CheckpointFileWriter::write_raw(const void* data, size_t size) {
+  if (error_ || discarding_) return;
   try {
     file_.write(data, size);
-  } catch (const c10::Error& e) {
-    error_ = e.what_without_backtrace();
-    return 0;
+  } catch (...) {
+    error_ = std::current_exception();
   }
-  return size;
 }
 
 size_t CheckpointFileWriter::write(const void* data, size_t size) {
-  const size_t n = write_raw(data, size);
-  hash_.update(data, n);
-  bytes_ += n;
-  return n;
+  write_raw(data, size);
+  hash_.update(data, size);
+  bytes_ += size;
+  return size;
 }
 
 void CheckpointFileWriter::check_written() const {
-  TORCH_CHECK(error_.empty(), "save_checkpoint: ", error_);
+  if (error_) std::rethrow_exception(error_);
 }
 
 void CheckpointFileWriter::commit() {
   TORCH_CHECK(!committed_, "save_checkpoint: the checkpoint was already committed");
+  TORCH_CHECK(!discarding_, "save_checkpoint: the checkpoint was interrupted");
   unsigned char trailer[kTrailer];
   store_le64(trailer, bytes_);
   store_le64(trailer + 8, hash_.digest());

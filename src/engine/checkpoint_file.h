@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include "util/atomic_file.h"
@@ -37,29 +38,35 @@ class Hash64 {
 // Streams a framed archive into `path` through an AtomicFileWriter (a
 // temporary file, flushed and renamed over `path` by commit(); removed when
 // destroyed uncommitted), which reports its steps to the crash hook
-// (checkpoint_internal.h). Errors: c10::Error naming the file and the
-// system error.
+// (checkpoint_internal.h). Errors: FileError naming the file and the system
+// error.
 class CheckpointFileWriter {
  public:
   explicit CheckpointFileWriter(const std::string& path);
   CheckpointFileWriter(const CheckpointFileWriter&) = delete;
   CheckpointFileWriter& operator=(const CheckpointFileWriter&) = delete;
 
-  // Archive bytes. The archive writer calls this from C code, so a failure
-  // is reported by a short count; check_written() throws it afterwards.
+  // Archive bytes. The archive writer calls this from C code and must never
+  // see a short count (libtorch's writer then throws again from its
+  // destructor, which ends the process), so every call reports all bytes
+  // taken: after a failure, or once discard() was called, the bytes are
+  // dropped and check_written() throws the first failure afterwards.
   size_t write(const void* data, size_t size);
+  // Drops every later byte (an interrupted save runs the archive to its end).
+  void discard() { discarding_ = true; }
   void check_written() const;
   // Writes the trailer and replaces `path`.
   void commit();
 
  private:
-  size_t write_raw(const void* data, size_t size);
+  void write_raw(const void* data, size_t size);
 
   AtomicFileWriter file_;
   bool committed_ = false;
+  bool discarding_ = false;
   uint64_t bytes_ = 0;  // archive bytes written
   Hash64 hash_;         // of the archive bytes
-  std::string error_;
+  std::exception_ptr error_;
 };
 
 // Checks the frame and the hash of the file at `path`, then loads its

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "engine/host_store.h"
+#include "engine/model_use.h"
 #include "engine/rng.h"
 #include "engine/stage_autograd.h"
 #include "engine/transfers.h"
@@ -271,6 +272,7 @@ class JobRunner {
     MarkPtr start = layer_mark(m);
     {
       LayerRunScope scope(&state);
+      UserCodeScope user(c_.model.name, "layer", l);
       AutocastScope autocast(c_.record->autocast);
       auto body = [&] { out = layer(l)->forward(dev_.index(), std::move(args), std::move(kwargs)); };
       if (c_.preserve_rng && layer(l)->may_draw_random()) {
@@ -326,6 +328,7 @@ class JobRunner {
     }
     cursor.layer = -1;
     {
+      UserCodeScope user(c_.model.name, "the loss_fn");
       AutocastScope autocast(c_.record->autocast);
       loss_ = c_.loss_fn(x, label_);
     }
@@ -465,6 +468,8 @@ class JobRunner {
 
 void run_job(Call& c, size_t j, Device& device) {
   {
+    // The layers' backward (autograd) runs inside the job too.
+    UserCodeScope user(c.model.name, "a job (a layer's backward)");
     JobRunner runner(c, j, device);
     try {
       if (!c.failed()) runner.run();

@@ -10,7 +10,9 @@
 // The façade sequences them: a step takes the pipeline's call in flight and
 // the summed gradients to the optimizer side; quiesce() waits for all of it.
 //
-// Thread-safety: the model's user thread, except where a part says otherwise.
+// Thread-safety: each public call holds `use` (model_use.h), so one call runs
+// at a time; the parts' functions belong to that call's thread, except
+// where a part says otherwise.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,6 +26,7 @@
 #include "engine/gradient_sums.h"
 #include "engine/host_store.h"
 #include "engine/layer_handle.h"
+#include "engine/model_use.h"
 #include "engine/optimizer_side.h"
 #include "engine/pipeline.h"
 #include "engine/planner.h"
@@ -77,6 +80,8 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   std::vector<std::shared_ptr<LayerHandle>> layers;
   const int64_t num_devices;
   const bool overlap_iterations;  // RoundPipeOptions::overlap_iterations
+  // Held by every public call that runs, waits for or changes the model.
+  ModelUseLock use{name};
   // The parts, in the order they are made (and destroyed in reverse).
   std::unique_ptr<HostStore> store;
   Planner planner;

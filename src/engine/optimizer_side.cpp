@@ -7,6 +7,7 @@
 
 #include "engine/call.h"
 #include "engine/host_store.h"
+#include "engine/model_use.h"
 #include "engine/trace_recorder.h"
 #include "optim/kernels/kernels.h"
 #include "optim/optimizer_thread.h"
@@ -145,6 +146,9 @@ bool OptimizerSide::begin_step(bool is_async) {
 void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
                          GradientSums model_grads, std::shared_ptr<Call> in_flight) {
   const int64_t k = ++steps_issued_;
+  // A synchronous step after a delayed one: the model still holds the step
+  // before the last one, and gets the last one's result before step_fn runs.
+  const bool catch_up = !delayed && model_behind_;
   model_behind_ = delayed;
   // Calls issued from now on wait, layer by layer, for this step's write.
   const int64_t generation = gate_->begin_write();
@@ -152,8 +156,8 @@ void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
   auto taken = std::make_shared<std::pair<GradientSums, GradientSums>>(std::move(gradients),
                                                                        std::move(model_grads));
   thread_->post([this, taken, call = std::move(in_flight), step_fn = std::move(step_fn), delayed,
-                 generation, k, trace] {
-    run_step(step_fn, delayed, taken->first, taken->second, call, generation, k, trace);
+                 catch_up, generation, k, trace] {
+    run_step(step_fn, delayed, catch_up, taken->first, taken->second, call, generation, k, trace);
   });
   if (!delayed) {
     gate_->wait_all(generation);  // the model holds θ_k
@@ -161,7 +165,7 @@ void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
   }
 }
 
-void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, GradientSums& gradients,
+void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up, GradientSums& gradients,
                              const GradientSums& model_grads, const std::shared_ptr<Call>& call,
                              int64_t generation, int64_t k, bool trace) {
   detail::begin_step_task();
@@ -242,9 +246,23 @@ void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, GradientSums& 
     ok = false;
     record_error(std::current_exception(), context);
   }
+  if (catch_up) {
+    // So that a step_fn that fails leaves the model at the last successful
+    // step (no call reads the model: a synchronous step finished them all).
+    try {
+      at::NoGradGuard no_grad;
+      for (HostParam& p : store_.params()) {
+        if (p.optim.defined()) write_one(p);
+      }
+    } catch (...) {
+      ok = false;
+      record_error(std::current_exception(), context);
+    }
+  }
   if (ok) {
     try {
       OptimizerCtx redirect;  // parameters() means the optimizer copies in step_fn
+      UserCodeScope user(name_, "the step_fn");
       step_fn();
     } catch (...) {
       ok = false;

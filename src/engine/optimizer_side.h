@@ -103,7 +103,9 @@ class OptimizerSide {
  private:
   void write_model_parameters(int64_t generation, Call* reading = nullptr);
   // The task a step queues, on the optimizer thread.
-  void run_step(const StepFn& step_fn, bool delayed, GradientSums& gradients,
+  // `catch_up`: write the copies into the model before step_fn (a
+  // synchronous step after a delayed one).
+  void run_step(const StepFn& step_fn, bool delayed, bool catch_up, GradientSums& gradients,
                 const GradientSums& model_grads, const std::shared_ptr<Call>& call,
                 int64_t generation, int64_t k, bool trace);
   void record_error(std::exception_ptr error, const std::string& context);

@@ -27,6 +27,9 @@ MicrobatchInputs split_call_inputs(const std::vector<c10::IValue>& args, const K
 
 c10::IValue sum_losses(const std::vector<c10::IValue>& losses) {
   auto add = [](const c10::IValue& a, const c10::IValue& b) -> c10::IValue {
+    TORCH_CHECK_TYPE(a.isTensor() == b.isTensor(),
+                     "loss_fn returned a tensor for some microbatches and a sequence of tensors for "
+                     "others; return the same kind of value for every microbatch");
     if (a.isTensor()) return a.toTensor() + b.toTensor();
     std::vector<at::Tensor> x = flatten_tensors(a), y = flatten_tensors(b);
     TORCH_CHECK_VALUE(x.size() == y.size(), "loss_fn returned sequences of different lengths (",
@@ -68,12 +71,15 @@ struct PreparedCall {
   std::vector<c10::IValue> labels;  // with a label
 };
 
-int64_t microbatches_for(const RoundPipe::Impl& m, const RunConfig& cfg, const std::vector<c10::IValue>& args,
-                         const Kwargs& kwargs) {
+// The rows the inputs split along (nullopt: none, or a split function).
+c10::optional<int64_t> batch_size_of(const RunConfig& cfg, const std::vector<c10::IValue>& args,
+                                     const Kwargs& kwargs) {
+  return cfg.split_input() ? split_batch_size(args, kwargs, *cfg.split_input()) : find_batch_size(args, kwargs);
+}
+
+int64_t microbatches_for(const RoundPipe::Impl& m, const RunConfig& cfg, c10::optional<int64_t> batch) {
   int64_t n = cfg.num_microbatch().value_or(m.num_devices + 1);
   TORCH_CHECK_VALUE(n >= 1, "num_microbatch must be >= 1, got ", n);
-  c10::optional<int64_t> batch =
-      cfg.split_input() ? split_batch_size(args, kwargs, *cfg.split_input()) : find_batch_size(args, kwargs);
   if (batch && *batch < n) {
     TORCH_CHECK_VALUE(*batch >= 1, "the batch is empty (dim 0 of the first input tensor is 0)");
     TORCH_WARN("RoundPipe '", m.name, "': num_microbatch ", n, " is larger than the batch size ", *batch,
@@ -88,9 +94,10 @@ PreparedCall prepare_call(RoundPipe::Impl& m, const char* what, RunKind kind, co
   m.begin_call();
   return checking_arguments(m.name, what, [&] {
     PreparedCall p;
-    p.num_microbatch = microbatches_for(m, cfg, args, kwargs);
+    const c10::optional<int64_t> batch = batch_size_of(cfg, args, kwargs);
+    p.num_microbatch = microbatches_for(m, cfg, batch);
     p.plan = m.planner.plan_for(cfg, kind, p.num_microbatch);
-    if (label) p.labels = split_label(*label, p.num_microbatch, cfg.split_label().value_or(LabelSplit{}));
+    if (label) p.labels = split_label(*label, p.num_microbatch, cfg.split_label().value_or(LabelSplit{}), batch);
     p.inputs = split_call_inputs(args, kwargs, p.num_microbatch, cfg);
     return p;
   });
@@ -120,6 +127,7 @@ class PipelineBackward : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     RoundPipe::Impl& m = *model_;
+    ModelUseLock::Scope use(m.use, "backward");
     const int64_t n = record_->num_microbatch;
     m.begin_call(/*raise_step_error=*/false);  // as loss.backward(), not a call of the model's own
     auto call = m.pipeline.make_call(CallKind::kBackward, plan_, n, cfg_, false, record_);
@@ -205,6 +213,7 @@ RoundPipe& RoundPipe::operator=(RoundPipe&&) noexcept = default;
 
 c10::IValue RoundPipe::forward(std::vector<c10::IValue> args, Kwargs kwargs, const RunConfig& run_config) {
   Impl& m = *impl_;
+  ModelUseLock::Scope use(m.use, "forward");
   const RunConfig cfg = run_config.merged_over(m.defaults);
   const bool requires_grad = cfg.requires_grad().value_or(at::GradMode::is_enabled());
   PreparedCall p = prepare_call(m, "forward", requires_grad ? RunKind::kTrain : RunKind::kInfer, cfg, args, kwargs,
@@ -259,6 +268,7 @@ c10::IValue RoundPipe::forward_backward(std::vector<c10::IValue> input_args, Kwa
                                         c10::IValue label, const LossFn& loss_fn, bool return_outputs,
                                         const RunConfig& run_config) {
   Impl& m = *impl_;
+  ModelUseLock::Scope use(m.use, "forward_backward");
   TORCH_CHECK_VALUE(static_cast<bool>(loss_fn), "forward_backward: loss_fn is empty");
   const RunConfig cfg = run_config.merged_over(m.defaults);
   PreparedCall p = prepare_call(m, "forward_backward", RunKind::kFused, cfg, input_args, input_kwargs, &label);

@@ -27,9 +27,15 @@ OptimizerCtx::OptimizerCtx() { ++optimizer_ctx_depth; }
 OptimizerCtx::~OptimizerCtx() { --optimizer_ctx_depth; }
 bool OptimizerCtx::active() { return optimizer_ctx_depth > 0; }
 
-void RoundPipe::step(StepFn step_fn, bool is_async) { impl_->step(std::move(step_fn), is_async); }
+void RoundPipe::step(StepFn step_fn, bool is_async) {
+  ModelUseLock::Scope use(impl_->use, "step");
+  impl_->step(std::move(step_fn), is_async);
+}
 
-void RoundPipe::synchronize() { impl_->synchronize(); }
+void RoundPipe::synchronize() {
+  ModelUseLock::Scope use(impl_->use, "synchronize");
+  impl_->synchronize();
+}
 
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::optim_named_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -60,6 +66,9 @@ std::vector<at::Tensor> RoundPipe::parameters() const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
+  // On the optimizer thread (a step_fn) it waits for nothing.
+  c10::optional<ModelUseLock::Scope> use;
+  if (!impl_->optimizer.on_this_thread()) use.emplace(impl_->use, "state_dict");
   impl_->wait_state_current();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t l = 0; l < impl_->layers.size(); ++l) {
@@ -72,6 +81,7 @@ std::vector<std::pair<std::string, at::Tensor>> RoundPipe::state_dict() const {
 
 void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state,
                                 bool strict) {
+  ModelUseLock::Scope use(impl_->use, "load_state_dict");
   impl_->quiesce();
   std::unordered_map<std::string, at::Tensor> given;
   for (const auto& [name, t] : state) {
@@ -117,6 +127,7 @@ void RoundPipe::load_state_dict(const std::vector<std::pair<std::string, at::Ten
 }
 
 void RoundPipe::refresh_optimizer_copies() {
+  ModelUseLock::Scope use(impl_->use, "refresh_optimizer_copies");
   impl_->quiesce();
   impl_->optimizer.model_written();
   impl_->optimizer.copy_model_to_optimizer();

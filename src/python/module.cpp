@@ -13,6 +13,7 @@
 #include "python/python_common.h"
 #include "python/run_config.h"
 #include "python/values.h"
+#include "util/file_error.h"
 #include "roundpipe/auto_plan.h"
 #include "roundpipe/devices.h"
 #include "roundpipe/model.h"
@@ -257,6 +258,12 @@ void translate_errors(std::exception_ptr error) {
     PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
   } catch (const c10::NotImplementedError& e) {
     PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+  } catch (const FileError& e) {
+    // OSError(errno, message, filename): Python picks the subclass
+    // (FileNotFoundError, PermissionError, ...) from the errno.
+    py::object error = py::reinterpret_borrow<py::object>(PyExc_OSError)(
+        e.error_number(), std::string(e.what_without_backtrace()), e.path());
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   }

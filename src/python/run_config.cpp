@@ -147,6 +147,8 @@ OutputMerge to_output_merge(const py::object& v) {
 }  // namespace
 
 ModelExecutePlan to_plan(const py::handle& plan) {
+  TORCH_CHECK_TYPE(py::hasattr(plan, "fwd_plan") && py::hasattr(plan, "bwd_plan"),
+                   "execute_plan must be a roundpipe.ModelExecutePlan, got ", py::type::of(plan).attr("__name__").cast<std::string>());
   ModelExecutePlan out;
   auto ranges = [](const py::handle& list, const char* name) {
     std::vector<LayerRange> result;

@@ -75,6 +75,34 @@ bad "optimizer-state" --optimizer-state int8
 bad "not supported with --dtype fp16" --dtype fp16 --optimizer-state compact
 printf 'abc' >"$tmp/odd.bin"
 bad "odd.bin" --data "$tmp/odd.bin" --steps 1
+# Out-of-range integers name the range (no saturation, no 300-digit bound).
+bad "an integer from 1 to 1000000000000" --steps 99999999999999999999
+bad "an integer from 1 to 1000000000000" --steps 0
+bad "from 1 to the hidden size (128)" --lora-rank 4096 --steps 1
+# Every output path is checked before training starts (no run lost to a typo).
+for flag in --checkpoint --trace --metrics; do
+  bad "does not exist" "$flag" "$tmp/no-such-dir/out" --steps 1
+  bad "is a directory" "$flag" "$tmp" --steps 1
+done
+grep -q "steps" "$tmp/bad.out" && fail "the output-path errors came after the start-up summary"
+
+# 2b. A full disk (a file-size limit: writes fail with EFBIG): the saves
+# fail with a message and remove their temporary files; mid-run ones do not
+# stop training; the last one is the run's error; never a crash.
+mkdir -p "$tmp/full"
+(
+  trap '' XFSZ  # the write fails instead of the signal ending the process
+  ulimit -f 64  # 64 KiB: less than a checkpoint of the tiny Llama
+  exec "$bin" "${small[@]}" --steps 6 --save-every 2 --checkpoint "$tmp/full/run.ckpt"
+) >"$tmp/full.out" 2>"$tmp/full.err"
+rc=$?
+if [ "$rc" -ne 1 ]; then
+  fail "a full disk: exit $rc, expected 1"; cat "$tmp/full.out" "$tmp/full.err"
+fi
+grep -q "checkpoint of step 2 was not written.*File too large.*training goes on" "$tmp/full.out" ||
+  { fail "a full disk: no warning for the mid-run save"; cat "$tmp/full.out"; }
+grep -q "File too large" "$tmp/full.err" || { fail "a full disk: the last save's error is not reported"; cat "$tmp/full.err"; }
+[ -z "$(ls -A "$tmp/full")" ] || { fail "a full disk left files behind:"; ls -la "$tmp/full"; }
 
 # 3. Hugging Face weights and token files: a safetensors file with the tiny
 # Llama's tensors (plus one the model does not use) and uint16 token files.

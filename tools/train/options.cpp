@@ -1,18 +1,66 @@
 #include "options.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 namespace roundpipe {
 namespace train {
+namespace {
+
+constexpr int64_t kMaxCount = 1000000000000;  // steps and other counts: 10^12
+
+// An integer from `lo` to `hi`, checked on the text: CLI11's numeric checks
+// parse as double, so an integer past int64 passed them and saturated, and
+// their messages print a 300-digit bound.
+CLI::Validator integer_in(int64_t lo, int64_t hi) {
+  const std::string range = "an integer from " + std::to_string(lo) + " to " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, range](std::string& text) -> std::string {
+        errno = 0;
+        char* end = nullptr;
+        const long long v = std::strtoll(text.c_str(), &end, 10);
+        const bool number = !text.empty() && end != nullptr && *end == '\0' && errno != ERANGE;
+        if (!number || v < lo || v > hi) return "'" + text + "' is not " + range;
+        return std::string();
+      },
+      "INT in [" + std::to_string(lo) + " - " + std::to_string(hi) + "]");
+}
+
+// A file this run will write: its directory must exist and take a new file
+// (checked by making one), and the path must not be a directory. Checked
+// before training, so a typo does not cost the run.
+void check_output_path(const std::string& flag, const std::string& path) {
+  auto fail = [&](const std::string& what) { throw InputError(flag + " " + path + ": " + what); };
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) fail("is a directory; give a file name");
+  const auto slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fail("the directory '" + dir + "' does not exist; create it first");
+  }
+  const std::string probe = dir + "/.roundpipe-train-probe." + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) fail("cannot create a file in '" + dir + "': " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+}  // namespace
 
 void add_options(CLI::App& app, TrainOptions& o) {
   // A flag given twice takes its last value (so scripts can override defaults).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  const auto& positive = CLI::PositiveNumber;
-  const auto non_negative = CLI::NonNegativeNumber;
+  const auto positive = integer_in(1, kMaxCount);
+  const auto non_negative = integer_in(0, kMaxCount);
 
   auto* preset =
       app.add_option("--preset", o.preset, "model preset: llama or qwen3 (tiny, byte vocabulary)")
@@ -32,7 +80,7 @@ void add_options(CLI::App& app, TrainOptions& o) {
       ->excludes(config)
       ->excludes(weights);
   app.add_option("--seq-len", o.seq_len, "tokens per sequence")
-      ->check(positive)
+      ->check(integer_in(1, int64_t{1} << 30))
       ->capture_default_str();
   app.add_option("--dtype", o.dtype,
                  "model dtype: fp32, bf16 or fp16 (bf16/fp16 keep fp32 optimizer copies unless "
@@ -69,15 +117,15 @@ void add_options(CLI::App& app, TrainOptions& o) {
                  "end this run after this step (the schedule still spans --steps; resume later)")
       ->check(non_negative);
   app.add_option("--batch-size", o.batch_size, "sequences per step")
-      ->check(positive)
+      ->check(integer_in(1, int64_t{1} << 30))
       ->capture_default_str();
   app.add_option("--microbatches", o.microbatches, "microbatches per step (default: devices + 1)")
-      ->check(non_negative);
+      ->check(integer_in(0, int64_t{1} << 30));
   app.add_option("--devices", o.devices,
                  "device pool, as ROUNDPIPE_DEVICES: cpu:N, cuda, cuda:0,2 (default: the "
                  "environment's, else all GPUs, else cpu:1)");
   app.add_option("--threads", o.threads, "libtorch intra-op threads (default: libtorch's)")
-      ->check(non_negative);
+      ->check(integer_in(0, 65536));
 
   app.add_option("--lr", o.lr, "peak learning rate")
       ->check(CLI::PositiveNumber)
@@ -119,8 +167,9 @@ void add_options(CLI::App& app, TrainOptions& o) {
                  "checkpoint file to write (\"{step}\" in the name is replaced by the step)");
   app.add_option("--resume", o.resume, "resume training from this checkpoint")
       ->check(CLI::ExistingFile);
-  app.add_option("--lora-rank", o.lora_rank, "train LoRA adapters of this rank (0: full training)")
-      ->check(non_negative);
+  app.add_option("--lora-rank", o.lora_rank,
+                 "train LoRA adapters of this rank, at most the hidden size (0: full training)")
+      ->check(integer_in(0, int64_t{1} << 20));
   app.add_option("--lora-alpha", o.lora_alpha, "LoRA scaling numerator (scale = alpha / rank)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -136,6 +185,15 @@ void add_options(CLI::App& app, TrainOptions& o) {
                  "progress line every N steps when stdout is not a terminal")
       ->check(positive)
       ->capture_default_str();
+}
+
+std::string checkpoint_path(const std::string& pattern, int64_t step) {
+  std::string out = pattern;
+  const std::string key = "{step}";
+  for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at)) {
+    out.replace(at, key.size(), std::to_string(step));
+  }
+  return out;
 }
 
 std::vector<std::string> split_list(const std::string& text) {
@@ -180,6 +238,10 @@ void validate(TrainOptions& o) {
   }
   if (o.save_every > 0 && o.checkpoint.empty()) fail("--save-every needs --checkpoint PATH");
   if (o.lora_rank > 0 && split_list(o.lora_targets).empty()) fail("--lora-targets lists no module");
+  // Every file the run writes, before it starts ("{step}" as at step 0).
+  if (!o.checkpoint.empty()) check_output_path("--checkpoint", checkpoint_path(o.checkpoint, 0));
+  if (!o.trace.empty()) check_output_path("--trace", o.trace);
+  if (!o.metrics.empty()) check_output_path("--metrics", o.metrics);
   if (!std::isfinite(o.lr) || !std::isfinite(o.min_lr) || !std::isfinite(o.weight_decay) ||
       !std::isfinite(o.clip_grad_norm)) {
     fail("learning rates, weight decay and the clipping norm must be finite");

@@ -67,9 +67,12 @@ struct TrainOptions {
 
 // Registers every flag of `o` on `app` (with CLI11 range/enum checks).
 void add_options(CLI::App& app, TrainOptions& o);
-// Checks across flags and resolves defaults that depend on other flags;
+// Checks across flags, and that every output path (--checkpoint, --trace,
+// --metrics) can be written; resolves defaults that depend on other flags;
 // throws InputError saying what to change.
 void validate(TrainOptions& o);
+// The --checkpoint file of `step` ("{step}" in `pattern` replaced by it).
+std::string checkpoint_path(const std::string& pattern, int64_t step);
 // "a,b" -> {"a", "b"} (empty items dropped).
 std::vector<std::string> split_list(const std::string& text);
 
