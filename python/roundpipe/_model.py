@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, _optimizer_guard
 from .microbatch import _with_packed_split
 from .run_config import RoundPipeRunConfig
 
@@ -158,12 +158,14 @@ class RoundPipe(nn.Module):
         _live_engines.add(self._engine)
         # Optimizer copy of each master parameter (for named access and ties).
         self.training = all(layer.training for layer in self._layers)
-        by_master = {}
+        by_master, pairs = {}, []
         for engine_name, copy in self._engine.optim_named_parameters():
             layer, _, rest = engine_name.partition(".")
             master = self._layers[int(layer)].get_parameter(rest)
             by_master[id(master)] = copy
+            pairs.append((master, copy))
         own["_optim_by_master"] = by_master
+        _optimizer_guard.register(self.name, pairs)
 
     # ---- calls -------------------------------------------------------------
 
