@@ -207,9 +207,11 @@ class RoundPipe {
   void load_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state, bool strict = true);
 
   // Copies the model's parameters into the optimizer copies (after waiting
-  // for queued work). Call it after changing the weights by other means than
-  // load_state_dict (e.g. loading into the wrapped model directly), or the
-  // next step would undo the change.
+  // for queued work). A step does this itself for every parameter changed in
+  // place since the engine last wrote it (its version counter moved: a load
+  // into the wrapped model, an in-place op), so that the step does not undo
+  // the change; call it after changes no version counter sees (writes
+  // through .data, a raw pointer or a memory mapping).
   void refresh_optimizer_copies();
 
   void train(bool on = true);

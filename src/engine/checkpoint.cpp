@@ -500,6 +500,7 @@ void PendingCheckpoint::apply() {
   m.quiesce(/*raise_step_error=*/false);
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.detach().copy_(src);
+  m.optimizer.note_model_versions();
   RoundPipe::Impl::State state;
   state.pipeline = {seed, next_call_id};
   state.optimizer = {steps_issued, model_behind_optimizer};

@@ -67,6 +67,24 @@ void OptimizerSide::make_copies(c10::optional<at::ScalarType> optim_dtype) {
     p.optim =
         p.master.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
   }
+  note_model_versions();
+}
+
+void OptimizerSide::note_model_versions() {
+  const auto& params = store_.params();
+  model_versions_.resize(params.size());
+  for (size_t id = 0; id < params.size(); ++id) note_version(static_cast<int64_t>(id));
+}
+
+void OptimizerSide::take_changed_parameters() {
+  at::NoGradGuard no_grad;
+  auto& params = store_.params();
+  for (size_t id = 0; id < params.size(); ++id) {
+    HostParam& p = params[id];
+    if (!p.optim.defined() || p.master._version() == model_versions_[id]) continue;
+    p.optim.detach().copy_(p.master.detach());
+    note_version(static_cast<int64_t>(id));
+  }
 }
 
 void OptimizerSide::copy_model_to_optimizer() {
@@ -74,6 +92,7 @@ void OptimizerSide::copy_model_to_optimizer() {
   for (HostParam& p : store_.params()) {
     if (p.optim.defined()) p.optim.detach().copy_(p.master.detach());
   }
+  note_model_versions();
 }
 
 void OptimizerSide::rethrow_step_error() {
@@ -125,7 +144,9 @@ void OptimizerSide::write_model_parameters(int64_t generation, Call* reading) {
       if (reading) reading->wait_read(l);
       for (int64_t id : store_.layer(l).owned) {
         HostParam& p = store_.params()[id];
-        if (p.optim.defined()) write_one(p);
+        if (!p.optim.defined()) continue;
+        write_one(p);
+        note_version(id);
       }
       gate_->mark_written(l, generation);
     }
@@ -145,6 +166,7 @@ bool OptimizerSide::begin_step(bool is_async) {
 
 void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
                          GradientSums model_grads, std::shared_ptr<Call> in_flight) {
+  take_changed_parameters();  // the optimizer thread is idle (begin_step)
   const int64_t k = ++steps_issued_;
   // A synchronous step after a delayed one: the model still holds the step
   // before the last one, and gets the last one's result before step_fn runs.
@@ -251,8 +273,11 @@ void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up,
     // step (no call reads the model: a synchronous step finished them all).
     try {
       at::NoGradGuard no_grad;
-      for (HostParam& p : store_.params()) {
-        if (p.optim.defined()) write_one(p);
+      auto& params = store_.params();
+      for (size_t id = 0; id < params.size(); ++id) {
+        if (!params[id].optim.defined()) continue;
+        write_one(params[id]);
+        note_version(static_cast<int64_t>(id));
       }
     } catch (...) {
       ok = false;

@@ -53,6 +53,9 @@ class OptimizerSide {
   void make_copies(c10::optional<at::ScalarType> optim_dtype);
   // Optimizer copies <- model parameters (after the model's weights were loaded).
   void copy_model_to_optimizer();
+  // The engine wrote the model's parameters by other means (a checkpoint):
+  // what they hold now is the engine's, not a change from outside.
+  void note_model_versions();
 
   // Before a step: the previous one done, its error raised. Returns whether
   // the step about to be issued with `is_async` is delayed one step.
@@ -102,6 +105,13 @@ class OptimizerSide {
 
  private:
   void write_model_parameters(int64_t generation, Call* reading = nullptr);
+  // model parameter -> optimizer copy for every parameter changed in place
+  // from outside since the engine last wrote it (its version counter moved:
+  // a load_state_dict into the wrapped model, an in-place op), so the next
+  // step does not undo the change. User thread, with the optimizer thread
+  // idle.
+  void take_changed_parameters();
+  void note_version(int64_t id) { model_versions_[id] = store_.params()[id].master._version(); }
   // The task a step queues, on the optimizer thread.
   // `catch_up`: write the copies into the model before step_fn (a
   // synchronous step after a delayed one).
@@ -119,6 +129,10 @@ class OptimizerSide {
   const GradientReduction reduction_;
   int64_t steps_issued_ = 0;   // user thread
   bool model_behind_ = false;  // user thread: the last step was delayed
+  // [parameter id] the master's version counter when the engine last wrote
+  // it or took it into the copy: the user thread's, and the optimizer
+  // thread's while a step it queued runs.
+  std::vector<int64_t> model_versions_;
 
   std::mutex mu_;
   std::exception_ptr step_error_;                      // guarded by mu_: first error of a step_fn

@@ -61,6 +61,7 @@ struct Trainee {
               RoundPipeOptions().set_seed(seed).set_run_config(RunConfig().num_microbatch(3))) {
     sgd = std::make_unique<optim::SGD>(model.optim_parameters(), optim::SGDOptions(0.05));
   }
+  ~Trainee() { model.synchronize(); }  // the steps queued use `sgd`, destroyed first
   void train(int64_t n = 1, bool is_async = true) {
     for (int64_t i = 0; i < n; ++i) {
       model.forward_backward({x}, make_kwargs(), y, mse_loss_fn());
@@ -366,6 +367,44 @@ TEST(ModelUse, AFailedSynchronousStepLeavesTheLastSuccessfulStepInTheModel) {
   params.clear();
   for (const at::Tensor& p : t.model.parameters()) params.push_back(p.detach().clone());
   expect_equal(params, last, "after synchronize");
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace roundpipe
+
+namespace roundpipe {
+namespace testing {
+namespace {
+
+// A master parameter changed in place from outside (the wrapped model's own
+// load, an in-place op) is taken into its optimizer copy before the next
+// step instead of being overwritten by the stale copy.
+TEST(ModelUse, AParameterChangedFromOutsideIsNotUndoneByTheNextStep) {
+  for (bool is_async : {true, false}) {
+    SCOPED_TRACE(is_async ? "asynchronous" : "synchronous");
+    torch::manual_seed(3);
+    torch::nn::Sequential net = make_mlp();
+    RoundPipe model(net, RoundPipeOptions().set_run_config(RunConfig().num_microbatch(2)));
+    optim::SGD sgd(model.optim_parameters(), optim::SGDOptions(0.0));  // steps change nothing
+    const at::Tensor x = torch::randn({4, 16}), y = torch::randn({4, 4});
+    auto train = [&] {
+      model.forward_backward({x}, make_kwargs(), y, mse_loss_fn());
+      model.step([&] { sgd.step(), sgd.zero_grad(); }, is_async);
+    };
+    train();
+    train();
+    model.synchronize();
+    {
+      torch::NoGradGuard no_grad;
+      net->parameters()[0].fill_(0.25);  // through the wrapped model
+    }
+    train();
+    train();
+    model.synchronize();
+    EXPECT_TRUE(net->parameters()[0].eq(0.25).all().item<bool>()) << "the step undid the change";
+    EXPECT_TRUE(model.optim_parameters()[0].eq(0.25).all().item<bool>());
+  }
 }
 
 }  // namespace

@@ -307,3 +307,19 @@ def test_smaller_mistakes_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="state of a Adam optimizer, not of a SGD"):
         roundpipe.load_checkpoint(tmp_path / "adam.ckpt", model, optimizer=opt)
     train(model, opt)
+
+
+def test_a_load_into_the_wrapped_model_is_not_undone_by_the_next_step():
+    net, model, _ = make()
+    with OptimizerCtx():
+        still = torch.optim.SGD(model.parameters(), lr=0.0)  # steps change nothing
+    train(model, still, 2)
+    model.synchronize()
+    other = {k: torch.full_like(v, 0.5) for k, v in net.state_dict().items()}
+    net.load_state_dict(other)  # the wrapped model's own load, not the wrapper's
+    with torch.no_grad():
+        net[0].weight.add_(-0.375)  # an in-place op
+    train(model, still, 2)
+    model.synchronize()
+    assert torch.equal(net[0].weight, torch.full_like(net[0].weight, 0.125))
+    assert all(torch.equal(v, other[k]) for k, v in net.state_dict().items() if k != "0.weight")
