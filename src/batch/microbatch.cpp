@@ -2,6 +2,8 @@
 // (roundpipe/microbatch.h).
 #include <roundpipe/microbatch.h>
 
+#include "batch/batch_split.h"
+
 #include <ATen/ATen.h>
 
 #include <unordered_map>
@@ -574,7 +576,7 @@ c10::optional<int64_t> split_batch_size(const std::vector<c10::IValue>& args, co
 }
 
 static MicrobatchInputs split_inputs_unnamed(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
-                                             const InputSplit& how) {
+                                             const InputSplit& how, bool same_batch) {
   check_num_microbatches(n);
   if (how.fn) {
     MicrobatchInputs out = how.fn(args, kwargs, n);
@@ -604,7 +606,7 @@ static MicrobatchInputs split_inputs_unnamed(const std::vector<c10::IValue>& arg
     out.kwargs.push_back(make_kwargs());
   }
   SplitRows rows;
-  SplitContext ctx{n, c10::nullopt, &rows};
+  SplitContext ctx{n, c10::nullopt, same_batch ? &rows : nullptr};
   for (size_t i = 0; i < args.size(); ++i) {
     const Spec& spec = how.args_spec ? (*how.args_spec)[i] : auto_spec();
     Pieces pieces = split_value(args[i], spec, c10::str("args[", i, "]"), ctx);
@@ -656,7 +658,12 @@ static auto naming(const char* entry, F&& f) {
 
 MicrobatchInputs split_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
                               const InputSplit& how) {
-  return naming("split_inputs", [&] { return split_inputs_unnamed(args, kwargs, n, how); });
+  return naming("split_inputs", [&] { return split_inputs_unnamed(args, kwargs, n, how, false); });
+}
+
+MicrobatchInputs split_batch_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs, int64_t n,
+                                    const InputSplit& how) {
+  return naming("split_inputs", [&] { return split_inputs_unnamed(args, kwargs, n, how, true); });
 }
 
 std::vector<c10::IValue> split_label(const c10::IValue& label, int64_t n, const LabelSplit& how,

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "batch/batch_split.h"
 #include "engine/call.h"
 #include "engine/checkpoint_internal.h"
 #include "engine/engine_access.h"
@@ -22,7 +23,7 @@ namespace {
 
 MicrobatchInputs split_call_inputs(const std::vector<c10::IValue>& args, const Kwargs& kwargs,
                                    int64_t m, const RunConfig& cfg) {
-  return split_inputs(args, kwargs, m, cfg.split_input().value_or(InputSplit{}));
+  return split_batch_inputs(args, kwargs, m, cfg.split_input().value_or(InputSplit{}));
 }
 
 c10::IValue sum_losses(const std::vector<c10::IValue>& losses) {

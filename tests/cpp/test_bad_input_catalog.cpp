@@ -33,6 +33,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "util/file_error.h"
 #include "engine/engine_access.h"
 #include "models.h"
 #include "roundpipe/optim/adam.h"
@@ -75,7 +76,8 @@ std::string check_throws(const std::function<void()>& call, Kind kind, const std
     const bool ok = kind == Kind::kValue   ? dynamic_cast<const c10::ValueError*>(&e) != nullptr
                     : kind == Kind::kType  ? dynamic_cast<const c10::TypeError*>(&e) != nullptr
                     : kind == Kind::kIndex ? dynamic_cast<const c10::IndexError*>(&e) != nullptr
-                    : kind == Kind::kError ? typeid(e) == typeid(c10::Error)
+                    // A failed file operation is a c10::Error carrying its errno.
+                    : kind == Kind::kError ? typeid(e) == typeid(c10::Error) || typeid(e) == typeid(FileError)
                                            : false;
     if (!ok) return std::string(typeid(e).name()) + " instead of " + kind_name(kind) + ": " + message;
   } catch (const std::invalid_argument& e) {
@@ -266,7 +268,7 @@ const std::vector<ModelCase>& model_cases() {
         {"forward_backward", "empty batch", K::kValue, {"forward_backward", "the batch is empty"},
          [=](ModelFixture& f) { fb_with(f, {torch::randn({0, 8})}, torch::randn({0, 4}), f.loss_fn); }},
         {"forward_backward", "label with fewer rows than microbatches", K::kValue,
-         {"forward_backward", "cannot split"},
+         {"forward_backward", "label has 2 rows"},
          [=](ModelFixture& f) { fb_with(f, {f.x}, torch::randn({2, 4}), f.loss_fn); }},
         {"forward_backward", "loss_fn returns a string", K::kType, {"loss_fn", "String"},
          [=](ModelFixture& f) {

@@ -72,7 +72,7 @@ def cases(tmp):
          lambda m, x, y: m.forward(x, roundpipe_run_config=RoundPipeRunConfig(
              execute_plan=ModelExecutePlan(fwd_plan=[range(0, 99)]))), ValueError, "plan|layer"),
         ("RoundPipeRunConfig(num_microbatch=0)", lambda m, x, y: RoundPipeRunConfig(num_microbatch=0), ValueError,
-         ">= 1"),
+         "from 1 to"),
         ("RoundPipeRunConfig(num_microbatch=1.5)", lambda m, x, y: RoundPipeRunConfig(num_microbatch=1.5),
          TypeError, "int"),
         ("RoundPipeRunConfig(recompute_grain=bad)", lambda m, x, y: RoundPipeRunConfig(recompute_grain="op"),

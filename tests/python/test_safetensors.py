@@ -251,8 +251,10 @@ def test_system_errors_raise_runtime_error(tmp_path):
         st.load_file(tmp_path / "missing.safetensors")
     with pytest.raises(RuntimeError, match="not a regular file"):
         st.load_file(tmp_path)
-    with pytest.raises(RuntimeError, match="cannot create"):
+    # A file that cannot be written: OSError with its errno and filename.
+    with pytest.raises(FileNotFoundError, match="cannot create") as info:
         st.save_file({"a": torch.ones(1)}, tmp_path / "no" / "such" / "dir.safetensors")
+    assert info.value.filename == str(tmp_path / "no" / "such" / "dir.safetensors")
 
 
 def frame(header, data=b""):
