@@ -6,7 +6,13 @@ to 24 GiB with torch.cuda.set_per_process_memory_fraction (an RTX 4090's
 memory). Measured against the H200's dense bf16 peak, 989 TFLOP/s, counting
 model FLOPs as 6 x parameters x tokens (recomputation not counted).
 
-    python bench/b8_big_model.py [--batch 16] [--steps 3] [--warmup 1] [--tiny]
+    python bench/b8_big_model.py [--batch 16] [--blocks 1] [--steps 3] [--warmup 1] [--tiny]
+
+No baseline runs beside it (the peak is a constant), so there is nothing to
+alternate with; the steps are timed as blocks of --steps iterations that end
+when roundpipe's work is done (synchronize(), bench/block_timing.py), as the
+comparisons are, since a step returns before its backward stages are done;
+with --blocks N the median of N blocks.
 
 --tiny runs a small config (a dry run that works on CPU devices too; its mfu
 is against the same peak and means nothing). Without a GPU it runs --tiny.
@@ -24,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import roundpipe  # noqa: E402
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, presets  # noqa: E402
-from b5_gpu import qwen3_config, timed_steps  # noqa: E402
+from b5_gpu import qwen3_config, sync  # noqa: E402
+from block_timing import Side, alternate_blocks, describe, median  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 (BENCHMARKS.md)
 CAP_BYTES = 24 * 2**30
@@ -38,8 +45,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step (one microbatch each)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; 64 with --tiny)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--blocks", type=int, default=1, help="timed blocks (the median is reported)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -56,7 +64,7 @@ def main():
     labels[:, -1] = -100
     tokens = args.batch * seq
     print(f"B8: devices {roundpipe._C.get_device_names()}, torch {torch.__version__}, batch {args.batch} x {seq} "
-          f"tokens, {args.warmup} warm-up + {args.steps} timed steps, GPU capped to "
+          f"tokens, {args.warmup} warm-up + {args.blocks} x {args.steps} timed steps, GPU capped to "
           f"{CAP_BYTES / 2**30:.0f} GiB" if cuda else "B8: no GPU: the tiny config on CPU devices", flush=True)
 
     torch.manual_seed(0)
@@ -77,7 +85,17 @@ def main():
                                                    loss_fn=lambda out, _: out / args.batch)))
         model.step(lambda: (opt.step(), opt.zero_grad()))
 
-    seconds = timed_steps(step, args.warmup, args.steps, device, finish=model.synchronize)
+    def finish():
+        model.synchronize()
+        sync(device)
+
+    for _ in range(args.warmup):
+        step()
+    finish()
+    print(describe(args.blocks, args.steps, 0), flush=True)
+    blocks = alternate_blocks([Side("roundpipe", step, finish)], rounds=args.blocks, steps=args.steps,
+                              warmup_rounds=0)["roundpipe"]
+    seconds = median(blocks)
     print(f"losses {[round(x, 4) for x in losses]}; {seconds:.3f} s per step", flush=True)
     peak_reserved = torch.cuda.max_memory_reserved() if cuda else 0
     peak_allocated = torch.cuda.max_memory_allocated() if cuda else 0
@@ -91,6 +109,7 @@ def main():
         "host_gib": f"{host_gib:.1f}",
         "params_b": f"{n_params / 1e9:.2f}",
         "batch": args.batch, "seq": seq, "model": "tiny" if tiny else "qwen3-4b",
+        "blocks": args.blocks, "steps_per_block": args.steps,
     }
     print("RESULT id=B8 " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
 

@@ -1,4 +1,6 @@
-// Shared helpers for the benchmarks: machine description, medians.
+// Shared helpers for the benchmarks: machine description, medians, and the
+// alternating blocks every comparison with a baseline is timed in
+// (block_timing.h).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -9,6 +11,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "block_timing.h"
 
 namespace roundpipe {
 namespace bench {
