@@ -633,7 +633,7 @@ static std::vector<c10::IValue> split_label_unnamed(const c10::IValue& label, in
   }
   SplitRows rows;
   if (batch_size) rows = SplitRows{batch_size, "the inputs"};
-  return split_value(label, how.spec, "label", SplitContext{n, c10::nullopt, &rows});
+  return split_value(label, how.spec, "label", SplitContext{n, c10::nullopt, batch_size ? &rows : nullptr});
 }
 
 static c10::IValue merge_outputs_unnamed(const std::vector<c10::IValue>& outputs, const OutputMerge& how) {
