@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import _C, _optimizer_guard
+from .grad_scaler import _check_no_torch_scaler
 from .microbatch import _with_packed_split
 from .run_config import RoundPipeRunConfig
 
@@ -46,6 +47,51 @@ def load_into_matching(wrapper, others, state_dict, strict):
 
 def _default_loss_fn(outputs, labels):
     return outputs
+
+
+class _Loss(torch.Tensor):
+    """The loss ``forward_backward`` returns: a plain detached CPU tensor
+    (operations on it give plain tensors) whose ``backward()`` says why there
+    is nothing left to do, instead of torch's "does not require grad"."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError(
+            "forward_backward has already run the backward pass and accumulated the gradients; the loss "
+            "it returns is detached, for logging. Apply the gradients with model.step(...); for a "
+            "backward pass of your own, call model(...) and then loss.backward()")
+
+    def __repr__(self, **kwargs):
+        return repr(self.as_subclass(torch.Tensor))
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+def _as_loss(value):
+    """``forward_backward``'s result (a tensor or a list of them) as _Loss."""
+    if isinstance(value, torch.Tensor) and not value.requires_grad:
+        return torch.Tensor._make_subclass(_Loss, value)
+    if isinstance(value, list):
+        return [_as_loss(v) for v in value]
+    return value
+
+
+def check_grad_mode(who):
+    if not torch.is_grad_enabled():
+        raise RuntimeError(f"{who}.forward_backward computes gradients, but grad mode is off (torch.no_grad() or "
+                           "torch.inference_mode()); call it with grad mode on, or call the model itself "
+                           "for a forward pass without gradients")
+
+
+def check_is_async(is_async):
+    if not isinstance(is_async, bool):
+        raise TypeError(f"step: is_async must be a bool, got {is_async!r}; step_fn's own arguments follow it "
+                        "(step(step_fn, True, *args)), or bind them: step(functools.partial(step_fn, ...))")
 
 
 def _caller_name(depth=2):
@@ -186,7 +232,9 @@ class RoundPipe(nn.Module):
 
         Returns the sum of the microbatch losses (CPU, detached; a list of sums
         if loss_fn returns a sequence), and the merged outputs as well when
-        ``return_outputs``."""
+        ``return_outputs``. The backward pass has run: the loss is for
+        logging (its ``backward()`` is an error), and grad mode must be on."""
+        check_grad_mode("RoundPipe")
         if isinstance(input_args, list):
             input_args = tuple(input_args)
         if not isinstance(input_args, tuple):
@@ -201,18 +249,25 @@ class RoundPipe(nn.Module):
         run_config = _with_packed_split(input_args, input_kwargs, run_config, self._run_config)
         out = self._engine.forward_backward(input_args, input_kwargs, label, loss_fn, bool(return_outputs),
                                             run_config)
-        return tuple(out) if return_outputs else out
+        return (_as_loss(out[0]), out[1]) if return_outputs else _as_loss(out)
 
     def step(self, step_fn, is_async=True, *args, **kwargs):
         """Queues on the optimizer thread: handing the gradients of every call
         so far to the optimizer copies' ``.grad``, then ``step_fn(*args,
         **kwargs)``. ``is_async=False`` waits, and later calls see the new
         parameters; ``is_async=True`` returns at once, and later calls see the
-        parameters from before this step (one-step delay)."""
+        parameters from before this step (one-step delay).
+
+        Before any ``forward_backward`` (or when every gradient has been
+        zeroed) ``step_fn`` runs with no gradients: optimizers skip the
+        parameters whose ``.grad`` is None, as torch's do."""
         if not callable(step_fn):
             raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
+        check_is_async(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        self._engine.step(fn, bool(is_async))
+        if is_async:
+            _check_no_torch_scaler(fn)
+        self._engine.step(fn, is_async)
 
     def synchronize(self):
         """Waits for queued work; then the parameters hold the latest optimizer

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._model import RoundPipe, _caller_name, load_into_matching
+from ._model import RoundPipe, _as_loss, _caller_name, check_grad_mode, check_is_async, load_into_matching
 from .microbatch import _merge_auto, _split_auto
 from .hf import _FAMILIES, merge_hf_outputs, preset_layers
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
@@ -174,6 +174,7 @@ class AutoRoundPipe(nn.Module):
             raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
+        check_grad_mode("AutoRoundPipe")
         inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config))
         total, outputs = None, []
         for (args_m, kwargs_m), label_m in zip(inputs, labels):
@@ -185,7 +186,7 @@ class AutoRoundPipe(nn.Module):
             total = detached if total is None else [a + b for a, b in zip(total, detached)]
             if return_outputs:
                 outputs.append(out)
-        result = total if isinstance(loss, (list, tuple)) else total[0]
+        result = _as_loss(total if isinstance(loss, (list, tuple)) else total[0])
         return (result, _merge_auto(outputs)) if return_outputs else result
 
     def _num_microbatch(self, run_config):
@@ -210,6 +211,7 @@ class AutoRoundPipe(nn.Module):
         warned); later calls see the new parameters."""
         if not callable(step_fn):
             raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
+        check_is_async(is_async)
         if is_async and not self._warned_async:
             warnings.warn("AutoRoundPipe.step runs synchronously: the parts of a model split by its module tree "
                           "are separate pipelines, whose optimizer copies one step_fn updates together",

@@ -18,11 +18,64 @@ in include/roundpipe/grad_scaler.h.
 and do not know which scale produced which gradients: do not use them with
 asynchronous steps.
 """
+import functools
+import inspect
 import threading
 
 import torch
 
 from . import _C
+
+
+def _referenced(fn):
+    """The objects a step function reaches by name: a partial's arguments, a
+    bound method's object, the function's closure, defaults and the globals
+    it names, and their attributes named in its code (``self.scaler``)."""
+    found = []
+    while True:
+        if isinstance(fn, functools.partial):
+            found += [*fn.args, *fn.keywords.values()]
+            fn = fn.func
+        elif inspect.ismethod(fn):
+            found.append(fn.__self__)
+            fn = fn.__func__
+        else:
+            break
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return found
+    for cell in fn.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:  # a variable not yet assigned
+            pass
+    found += list(fn.__defaults__ or ())
+    scope = getattr(fn, "__globals__", {})
+    names = set(code.co_names)
+    for const in code.co_consts:  # the names of nested functions and comprehensions too
+        if inspect.iscode(const):
+            names.update(const.co_names)
+    found += [scope[name] for name in names if name in scope]
+    found += [getattr(obj, name) for obj in list(found) if hasattr(obj, "__dict__") and not inspect.ismodule(obj)
+              for name in names if name in vars(obj)]
+    return found
+
+
+def _check_no_torch_scaler(step_fn):
+    """torch.amp.GradScaler in an asynchronous step fails at its update()
+    with "No inf checks were recorded prior to update": its step has not run
+    yet. Detected up front where the step function names it."""
+    try:
+        objects = _referenced(step_fn)
+    except Exception:  # an exotic callable: nothing to detect
+        return
+    for obj in objects:
+        if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+            raise TypeError(
+                f"step: step_fn uses a {type(obj).__module__}.{type(obj).__qualname__}, which cannot follow "
+                "asynchronous steps (its update() would find no inf checks, the step not having run yet, and "
+                "it does not know which scale produced which gradients): use roundpipe.GradScaler, a drop-in "
+                "replacement (docs/python.md, \"GradScaler\"), or step(..., is_async=False)")
 
 
 def _grads(optimizer):
