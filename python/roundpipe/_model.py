@@ -3,6 +3,7 @@ import atexit
 import functools
 import os
 import sys
+import warnings
 import weakref
 
 import torch
@@ -10,8 +11,8 @@ from torch import nn
 
 from . import _C, _optimizer_guard
 from .grad_scaler import _check_no_torch_scaler
-from .microbatch import _with_packed_split
-from .run_config import RoundPipeRunConfig
+from .microbatch import _batch_size, _with_packed_split
+from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
 _PIN_MODES = ("alloc", "register", "off")
 
@@ -94,6 +95,14 @@ def check_is_async(is_async):
                         "(step(step_fn, True, *args)), or bind them: step(functools.partial(step_fn, ...))")
 
 
+def warn_small_batch(model, n, batch, stacklevel=4):
+    """The batch-smaller-than-num_microbatch warning, once per model."""
+    if not model.__dict__.get("_warned_small_batch"):
+        model.__dict__["_warned_small_batch"] = True
+        warnings.warn(f"{type(model).__name__} '{model.name}': num_microbatch {n} is larger than the batch size "
+                      f"{batch}; using {batch} (said once per model)", UserWarning, stacklevel=stacklevel)
+
+
 def _caller_name(depth=2):
     frame = sys._getframe(depth)
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
@@ -138,7 +147,7 @@ class RoundPipe(nn.Module):
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
                       "_gradient_reduction", "_pin_model", "_default_merge", "_overlap_iterations",
-                      "_sync_warmup_steps"))
+                      "_sync_warmup_steps", "_warned_small_batch"))
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
                  process_group=None, gradient_reduction="sum", overlap_iterations=True, sync_warmup_steps=None):
@@ -219,8 +228,29 @@ class RoundPipe(nn.Module):
         """Splits the batch into microbatches, runs the pipeline, merges the
         outputs (on the CPU by default). With grad mode on, the outputs carry
         autograd history: ``loss.backward()`` runs the backward stages."""
-        return self._engine.forward(args, kwargs, _with_packed_split(args, kwargs, roundpipe_run_config,
-                                                                     self._run_config))
+        return self._engine.forward(args, kwargs, self._call_config(args, kwargs, roundpipe_run_config))
+
+    def _call_config(self, args, kwargs, run_config):
+        """The run config of a call: packed inputs get an explicit split
+        (microbatch.py), and a batch smaller than num_microbatch is reduced
+        here, with a warning once per model rather than at every call."""
+        run_config = _with_packed_split(args, kwargs, run_config, self._run_config)
+        if run_config is not None and not isinstance(run_config, RoundPipeRunConfig):
+            return run_config  # the engine says what is wrong with it
+
+        def field(name):
+            value = getattr(run_config, name) if run_config is not None else None
+            return value if value is not None else getattr(self._run_config, name)
+
+        if field("split_input") is not None:
+            return run_config  # the engine finds the batch size of a custom split
+        n = field("num_microbatch") or self._engine.num_devices() + 1
+        batch = _batch_size(args, kwargs)
+        if batch is None or not 1 <= batch < n:
+            return run_config
+        warn_small_batch(self, n, batch)
+        fields = {f: getattr(run_config, f) for f in _RUN_CONFIG_FIELDS} if run_config is not None else {}
+        return RoundPipeRunConfig(**{**fields, "num_microbatch": batch})
 
     def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=_default_loss_fn,
                          return_outputs=False, run_config=None):
@@ -246,7 +276,7 @@ class RoundPipe(nn.Module):
             raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
-        run_config = _with_packed_split(input_args, input_kwargs, run_config, self._run_config)
+        run_config = self._call_config(input_args, input_kwargs, run_config)
         out = self._engine.forward_backward(input_args, input_kwargs, label, loss_fn, bool(return_outputs),
                                             run_config)
         return (_as_loss(out[0]), out[1]) if return_outputs else _as_loss(out)

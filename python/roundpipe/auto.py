@@ -14,21 +14,27 @@ thread, with the model's own code between the parts. A model in which no
 submodule qualifies (too small to split) is one part, whole.
 
 The model is not rebuilt: every submodule keeps its place, name and tensors,
-so ``state_dict`` and ``save_pretrained`` write the same keys as before;
-calling a part runs its pipeline. An :class:`AutoRoundPipe` has
+so ``state_dict`` and ``save_pretrained`` write the same keys as before.
+During the AutoRoundPipe's own calls a part's submodule runs its pipeline,
+as one microbatch; otherwise the model is left as it was (its ``generate``
+runs transformers' code on the CPU, with the same weights). An
+:class:`AutoRoundPipe` has
 RoundPipe's calls (``forward``, ``forward_backward`` with the microbatch loop
 of ``RoundPipe.forward_backward`` and RoundPipe's split and merge, ``step``,
 ``synchronize``, ``optim_parameters``, ...). Its steps are synchronous: the
 parts are separate pipelines, so the optimizer runs on the calling thread
 once every part has handed over its gradients.
 """
+import contextlib
+import threading
 import warnings
 
 import torch
 from torch import nn
 
 from . import _C
-from ._model import RoundPipe, _as_loss, _caller_name, check_grad_mode, check_is_async, load_into_matching
+from ._model import (RoundPipe, _as_loss, _caller_name, check_grad_mode, check_is_async, load_into_matching,
+                     warn_small_batch)
 from .microbatch import _merge_auto, _split_auto
 from .hf import _FAMILIES, merge_hf_outputs, preset_layers
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
@@ -113,6 +119,52 @@ def _route_to(part):
     return forward
 
 
+def _part_config(override, config):
+    """A part's run config: its override, else the model's, with one
+    microbatch unless the override asks for more. The model's calls are its
+    microbatches already (forward_backward splits the batch; a generation
+    step's key/value cache must see the whole batch at once), and a part is
+    one layer, which a finer split would not pipeline."""
+    chosen = override if override is not None else config
+    if not isinstance(chosen, RoundPipeRunConfig) or chosen is override and override.num_microbatch is not None:
+        return chosen  # RoundPipe refuses a config of another type
+    fields = {f: getattr(chosen, f) for f in _RUN_CONFIG_FIELDS}
+    return RoundPipeRunConfig(**{**fields, "num_microbatch": 1})
+
+
+class _Routing:
+    """The parts' pipelines stand in for their submodules only during this
+    model's own calls: the loaded model, called directly (``generate``), is
+    left as it was and runs on the CPU with the same weights."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved = []
+
+    def enter(self, routes):
+        with self.lock:
+            if self.depth == 0:
+                self.saved = [(module, module.__dict__.get("forward", _UNSET)) for module, _ in routes]
+                for module, forward in routes:
+                    module.__dict__["forward"] = forward
+            self.depth += 1
+
+    def exit(self):
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                for module, forward in self.saved:
+                    if forward is _UNSET:
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = forward
+                self.saved = []
+
+
+_UNSET = object()
+
+
 class AutoRoundPipe(nn.Module):
     """``model``'s module tree split into pipelined parts (module doc), for
     any model: presets are ``wrap_model_to_roundpipe``'s choice.
@@ -122,7 +174,8 @@ class AutoRoundPipe(nn.Module):
     and ``model_run_config`` are the model's; the other keywords go to each
     part's RoundPipe (``optim_dtype``, ``pin_model``, ...)."""
 
-    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async"))
+    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async",
+                      "_warned_small_batch", "_routes", "_routing"))
 
     def __init__(self, model, lower_threshold=16 * 1024, upper_threshold=None, skip_modules=(),
                  override_config=None, name=None, model_run_config=None, **roundpipe_kwargs):
@@ -143,22 +196,35 @@ class AutoRoundPipe(nn.Module):
         nn.Module.__init__(self)
         own = self.__dict__
         self._modules["model"] = model
-        own.update(name=name, _run_config=config, _warned_async=False, _part_paths=paths)
-        parts = []
+        own.update(name=name, _run_config=config, _warned_async=False, _part_paths=paths,
+                   _routing=_Routing())
+        parts, routes = [], []
         for path in paths:
             module = model.get_submodule(path)
             part = RoundPipe(_Part(module), name=f"{name}.{path}" if path else name,
-                             model_run_config=(override_config or {}).get(module, config), **roundpipe_kwargs)
-            module.forward = _route_to(part)  # the model's calls of the submodule run the pipeline
+                             model_run_config=_part_config((override_config or {}).get(module), config),
+                             **roundpipe_kwargs)
             parts.append(part)
+            routes.append((module, _route_to(part)))
         own["_parts"] = parts
+        own["_routes"] = routes
         self.training = model.training
 
     # ---- calls -------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
         """The model's own forward; each part's call runs its pipeline."""
-        return self.model(*args, **kwargs)
+        with self._routed():
+            return self.model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _routed(self):
+        routing = self.__dict__["_routing"]
+        routing.enter(self.__dict__["_routes"])
+        try:
+            yield
+        finally:
+            routing.exit()
 
     def forward_backward(self, input_args=(), input_kwargs=None, label=None,
                          loss_fn=lambda outputs, labels: outputs, return_outputs=False, run_config=None):
@@ -175,17 +241,19 @@ class AutoRoundPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
         check_grad_mode("AutoRoundPipe")
-        inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config))
+        inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config),
+                                     warn=lambda n, batch: warn_small_batch(self, n, batch, stacklevel=5))
         total, outputs = None, []
-        for (args_m, kwargs_m), label_m in zip(inputs, labels):
-            out = self.model(*args_m, **kwargs_m)
-            loss = loss_fn(out, label_m)
-            losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
-            torch.autograd.backward(losses)
-            detached = [t.detach().cpu() for t in losses]
-            total = detached if total is None else [a + b for a, b in zip(total, detached)]
-            if return_outputs:
-                outputs.append(out)
+        with self._routed():
+            for (args_m, kwargs_m), label_m in zip(inputs, labels):
+                out = self.model(*args_m, **kwargs_m)
+                loss = loss_fn(out, label_m)
+                losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+                torch.autograd.backward(losses)
+                detached = [t.detach().cpu() for t in losses]
+                total = detached if total is None else [a + b for a, b in zip(total, detached)]
+                if return_outputs:
+                    outputs.append(out)
         result = _as_loss(total if isinstance(loss, (list, tuple)) else total[0])
         return (result, _merge_auto(outputs)) if return_outputs else result
 

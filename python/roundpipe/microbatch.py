@@ -100,14 +100,19 @@ def _with_packed_split(args, kwargs, run_config, model_config):
     return RoundPipeRunConfig(**{**fields, "split_input": (None, {k: spec(v) for k, v in kwargs.items()})})
 
 
-def _split_auto(args, kwargs, label, n):
+def _split_auto(args, kwargs, label, n, warn=None):
     """The automatic split of (args, kwargs) and label into microbatches:
-    ``([(args_m, kwargs_m)], [label_m])``, by the engine's own split."""
+    ``([(args_m, kwargs_m)], [label_m])``, by the engine's own split.
+    ``warn(n, batch)`` says that the batch is smaller than ``n``."""
     batch = _batch_size(args, kwargs)
     if batch is not None and batch < n:
         if batch < 1:
             raise ValueError("the batch is empty (dim 0 of the first input tensor is 0)")
-        warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}", stacklevel=3)
+        if warn is not None:
+            warn(n, batch)
+        else:
+            warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}",
+                          stacklevel=3)
         n = batch
     packed = _with_packed_split(args, kwargs, None, RoundPipeRunConfig())
     return _C.split_inputs(tuple(args), dict(kwargs), n, packed), _C.split_label(label, n)
