@@ -104,6 +104,37 @@ grep -q "checkpoint of step 2 was not written.*File too large.*training goes on"
 grep -q "File too large" "$tmp/full.err" || { fail "a full disk: the last save's error is not reported"; cat "$tmp/full.err"; }
 [ -z "$(ls -A "$tmp/full")" ] || { fail "a full disk left files behind:"; ls -la "$tmp/full"; }
 
+# 2c. docs/train.md's sample output is what the default run prints: the
+# same start-up lines (the steps line aside: this run stops after step 2),
+# and progress, evaluation and summary lines of the same form.
+docs=$(cd "$(dirname "$0")/../.." && pwd)/docs/train.md
+if "$bin" --devices cpu:2 --stop-after 2 --log-every 1 >"$tmp/sample.log" 2>&1; then
+  python3 - "$docs" "$tmp/sample.log" <<'PY' || fail "docs/train.md's sample output differs from the command's (above)"
+import re, sys
+page, run = open(sys.argv[1]).read(), open(sys.argv[2]).read().splitlines()
+sample = re.search(r"```\n(roundpipe-train: .*?)```", page, re.S).group(1).splitlines()
+header = [l for l in sample if not re.match(r"(step |eval |done:|\.\.\.|  peak memory|  final plan)", l)]
+ours = run[:len(header)]
+steps = "  steps    1 to 250 of 250; eval every 100 and at the end"
+assert ours[-1] == steps.replace("1 to 250", "1 to 2"), ours[-1]
+ours[-1] = steps
+for a, b in zip(header, ours):
+    assert a == b, f"the page says\n{a}\nthe command prints\n{b}"
+mem = r"( cpu:\d+ \d+(\.\d+)?[KMGB])+"
+forms = [r"step \d+/\d+  loss \d\.\d{4}  [\d.]+k? tok/s  ETA \w+  peak" + mem,
+         r"eval at step \d+: loss \d\.\d{4}",
+         r"done: \d+ steps in \w+ \([\d.]+k? tokens/s\); loss \d\.\d{4} at step 1 -> \d\.\d{4} "
+         r"\(mean of last \d+: \d\.\d{4}\); eval loss \d\.\d{4}",
+         r"  peak memory" + mem.replace(" cpu", "  cpu"), r"  final plan fwd \[.*\] bwd \[.*\]", r"\.\.\."]
+for name, lines in (("the page", sample[len(header):]), ("the command", run[len(header):])):
+    for line in lines:
+        assert any(re.fullmatch(f, line) for f in forms), f"{name}: a line of no known form: {line!r}"
+print("docs/train.md's sample output has the command's start-up lines and line forms")
+PY
+else
+  fail "the default run of two steps exited non-zero"; cat "$tmp/sample.log"
+fi
+
 # 3. Hugging Face weights and token files: a safetensors file with the tiny
 # Llama's tensors (plus one the model does not use) and uint16 token files.
 python3 - "$tmp" <<'PY'
