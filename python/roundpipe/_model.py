@@ -6,6 +6,8 @@ import sys
 import warnings
 import weakref
 
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ from . import _C, _optimizer_guard
 from .grad_scaler import _check_no_torch_scaler
 from .microbatch import _batch_size, _with_packed_split
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
+
+if TYPE_CHECKING:
+    from .timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
 
@@ -33,7 +38,8 @@ def _close_live_engines():
     _C.close_engine_threads_gate()
 
 
-def load_into_matching(wrapper, others, state_dict, strict):
+def load_into_matching(wrapper: nn.Module, others: List[nn.Module], state_dict: Mapping[str, Any],
+                       strict: bool) -> Any:
     """Loads ``state_dict`` into the module whose keys it uses: ``wrapper``
     (its own keys, ``model.``-prefixed) or one of ``others`` (the wrapped
     model's keys); the most matching keys win, ``wrapper`` on a tie."""
@@ -57,7 +63,7 @@ class _Loss(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def backward(self, *args, **kwargs):
+    def backward(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             "forward_backward has already run the backward pass and accumulated the gradients; the loss "
             "it returns is detached, for logging. Apply the gradients with model.step(...); for a "
@@ -149,8 +155,10 @@ class RoundPipe(nn.Module):
                       "_gradient_reduction", "_pin_model", "_default_merge", "_overlap_iterations",
                       "_sync_warmup_steps", "_warned_small_batch"))
 
-    def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
-                 process_group=None, gradient_reduction="sum", overlap_iterations=True, sync_warmup_steps=None):
+    def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, name: Optional[str] = None,
+                 model_run_config: Optional[RoundPipeRunConfig] = None, pin_model: str = "alloc",
+                 process_group: Any = None, gradient_reduction: str = "sum", overlap_iterations: bool = True,
+                 sync_warmup_steps: Optional[int] = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be a torch.nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
@@ -224,7 +232,7 @@ class RoundPipe(nn.Module):
 
     # ---- calls -------------------------------------------------------------
 
-    def forward(self, *args, roundpipe_run_config=None, **kwargs):
+    def forward(self, *args: Any, roundpipe_run_config: Optional[RoundPipeRunConfig] = None, **kwargs: Any) -> Any:
         """Splits the batch into microbatches, runs the pipeline, merges the
         outputs (on the CPU by default). With grad mode on, the outputs carry
         autograd history: ``loss.backward()`` runs the backward stages."""
@@ -252,8 +260,9 @@ class RoundPipe(nn.Module):
         fields = {f: getattr(run_config, f) for f in _RUN_CONFIG_FIELDS} if run_config is not None else {}
         return RoundPipeRunConfig(**{**fields, "num_microbatch": batch})
 
-    def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=_default_loss_fn,
-                         return_outputs=False, run_config=None):
+    def forward_backward(self, input_args: Sequence[Any] = (), input_kwargs: Optional[Dict[str, Any]] = None,
+                         label: Any = None, loss_fn: Callable[[Any, Any], Any] = _default_loss_fn,
+                         return_outputs: bool = False, run_config: Optional[RoundPipeRunConfig] = None) -> Any:
         """Forward and backward fused in one pipeline; exactly::
 
             for args_m, kwargs_m, label_m in split(input_args, input_kwargs, label):
@@ -281,7 +290,7 @@ class RoundPipe(nn.Module):
                                             run_config)
         return (_as_loss(out[0]), out[1]) if return_outputs else _as_loss(out)
 
-    def step(self, step_fn, is_async=True, *args, **kwargs):
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         """Queues on the optimizer thread: handing the gradients of every call
         so far to the optimizer copies' ``.grad``, then ``step_fn(*args,
         **kwargs)``. ``is_async=False`` waits, and later calls see the new
@@ -299,14 +308,15 @@ class RoundPipe(nn.Module):
             _check_no_torch_scaler(fn)
         self._engine.step(fn, is_async)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits for queued work; then the parameters hold the latest optimizer
         result and ``.grad`` the gradients not yet handed to an optimizer."""
         self._engine.synchronize()
 
     # ---- parameters --------------------------------------------------------
 
-    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+    def optim_named_parameters(self, prefix: str = "",
+                               remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The optimizer copies, named like the model's parameters."""
         seen = set()
         for name, p in self._parameter_slots(prefix):
@@ -315,12 +325,13 @@ class RoundPipe(nn.Module):
             seen.add(id(p))
             yield name, self._optim_by_master[id(p)]
 
-    def optim_parameters(self):
+    def optim_parameters(self) -> Iterator[torch.Tensor]:
         """The optimizer copies: one per trainable parameter, tied ones once."""
         for _, p in self.optim_named_parameters():
             yield p
 
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The model's parameters; the optimizer copies inside an OptimizerCtx
         and inside a step_fn."""
         if _C.optimizer_ctx_active():
@@ -337,11 +348,12 @@ class RoundPipe(nn.Module):
                     full = f"{mod_name}.{name}" if mod_name else name
                     yield (f"{prefix}.{full}" if prefix else full), p
 
-    def parameters(self, recurse=True):
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:  # type: ignore[override]
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
-    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The model's buffers as the latest call left them (a call still
         running is waited for)."""
         self._engine.wait_published()
@@ -349,7 +361,7 @@ class RoundPipe(nn.Module):
 
     # ---- module behaviour --------------------------------------------------
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "RoundPipe":
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         nn.Module.train(self, mode)
@@ -358,14 +370,14 @@ class RoundPipe(nn.Module):
         self._engine.train(mode)
         return self
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """The state dict (the wrapped model's under ``model.``) as the latest
         step published it (after an asynchronous step: the parameters from
         before it; call synchronize() first for the latest optimizer result)."""
         self._engine.wait_published()
         return nn.Module.state_dict(self, *args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict=True, assign=False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads into the wrapped model's tensors (in place) and refreshes the
         optimizer copies, so the next step does not undo the load."""
         if assign:
@@ -379,7 +391,7 @@ class RoundPipe(nn.Module):
         self._engine.refresh_optimizer_copies()
         return result
 
-    def to(self, *args, **kwargs):
+    def to(self, *args: Any, **kwargs: Any) -> "RoundPipe":
         """``to(dtype)`` converts the model's floating-point tensors and rebuilds
         the pipeline (and its optimizer copies: create optimizers afterwards).
         Devices: the model stays on the CPU (ValueError otherwise)."""
@@ -400,38 +412,38 @@ class RoundPipe(nn.Module):
                         "stage: it cannot be moved or converted tensor by tensor. Use .to(dtype) "
                         "(or .half(), .float(), .bfloat16(), .double()) to change the dtype")
 
-    def half(self):
+    def half(self) -> "RoundPipe":
         return self.to(torch.float16)
 
-    def float(self):
+    def float(self) -> "RoundPipe":
         return self.to(torch.float32)
 
-    def double(self):
+    def double(self) -> "RoundPipe":
         return self.to(torch.float64)
 
-    def bfloat16(self):
+    def bfloat16(self) -> "RoundPipe":
         return self.to(torch.bfloat16)
 
-    def cpu(self):
+    def cpu(self) -> "RoundPipe":
         return self
 
-    def cuda(self, device=None):
+    def cuda(self, device: Any = None) -> "RoundPipe":
         return self.to("cuda" if device is None else device)
 
-    def set_original_model(self, model):
+    def set_original_model(self, model: nn.Module) -> None:
         """Attribute access falls through to ``model`` instead of the wrapped one."""
         self.__dict__["_original"] = model
 
-    def num_devices(self):
+    def num_devices(self) -> int:
         return self._engine.num_devices()
 
     @property
-    def timer(self):
+    def timer(self) -> "ModelTimer":
         """This model's per-layer timing estimates (roundpipe.timer.ModelTimer)."""
         from .timer import ModelTimer
         return ModelTimer(self)
 
-    def default_execute_plan(self, run_type):
+    def default_execute_plan(self, run_type: str) -> Any:
         """The plan a call of ``run_type`` ("infer", "train", "fused") uses when
         its run config has none: the automatic plan over the timer's estimates,
         kept until a new one is predicted at least 20% faster."""

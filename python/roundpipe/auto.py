@@ -28,6 +28,7 @@ once every part has handed over its gradients.
 import contextlib
 import threading
 import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -177,8 +178,10 @@ class AutoRoundPipe(nn.Module):
     _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async",
                       "_warned_small_batch", "_routes", "_routing"))
 
-    def __init__(self, model, lower_threshold=16 * 1024, upper_threshold=None, skip_modules=(),
-                 override_config=None, name=None, model_run_config=None, **roundpipe_kwargs):
+    def __init__(self, model: nn.Module, lower_threshold: int = 16 * 1024, upper_threshold: Optional[int] = None,
+                 skip_modules: Iterable[nn.Module] = (),
+                 override_config: Optional[Dict[nn.Module, RoundPipeRunConfig]] = None, name: Optional[str] = None,
+                 model_run_config: Optional[RoundPipeRunConfig] = None, **roundpipe_kwargs: Any) -> None:
         _check_split_arguments("AutoRoundPipe", model, lower_threshold, upper_threshold, override_config)
         name = _caller_name() if name is None else str(name)
         config = model_run_config if model_run_config is not None else RoundPipeRunConfig()
@@ -212,7 +215,7 @@ class AutoRoundPipe(nn.Module):
 
     # ---- calls -------------------------------------------------------------
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own forward; each part's call runs its pipeline."""
         with self._routed():
             return self.model(*args, **kwargs)
@@ -226,8 +229,9 @@ class AutoRoundPipe(nn.Module):
         finally:
             routing.exit()
 
-    def forward_backward(self, input_args=(), input_kwargs=None, label=None,
-                         loss_fn=lambda outputs, labels: outputs, return_outputs=False, run_config=None):
+    def forward_backward(self, input_args: Sequence[Any] = (), input_kwargs: Optional[Dict[str, Any]] = None,
+                         label: Any = None, loss_fn: Callable[[Any, Any], Any] = lambda outputs, labels: outputs,
+                         return_outputs: bool = False, run_config: Optional[RoundPipeRunConfig] = None) -> Any:
         """The loop of ``RoundPipe.forward_backward`` over microbatches of the
         whole model (automatic split; ``run_config`` may set num_microbatch
         only)."""
@@ -272,7 +276,7 @@ class AutoRoundPipe(nn.Module):
             return self._run_config.num_microbatch
         return _C.get_num_devices() + 1
 
-    def step(self, step_fn, is_async=True, *args, **kwargs):
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         """Every part hands its gradients to its optimizer copies, then
         ``step_fn(*args, **kwargs)`` runs here, then every part takes the new
         values. Synchronous: ``is_async=True`` is run as ``False`` (once
@@ -291,7 +295,7 @@ class AutoRoundPipe(nn.Module):
         for part in self._parts:
             part.step(_noop, is_async=False)  # no gradients left to hand over: writes the new values
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         for part in self._parts:
             part.synchronize()
 
@@ -303,7 +307,8 @@ class AutoRoundPipe(nn.Module):
             by_master.update(part._optim_by_master)
         return by_master
 
-    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+    def optim_named_parameters(self, prefix: str = "",
+                               remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The optimizer copies of the parts' parameters, and the parameters
         between the parts themselves (they train in place), named as the
         model's parameters."""
@@ -318,34 +323,35 @@ class AutoRoundPipe(nn.Module):
             elif p.requires_grad:
                 yield name, p
 
-    def optim_parameters(self):
+    def optim_parameters(self) -> Iterator[torch.Tensor]:
         for _, p in self.optim_named_parameters():
             yield p
 
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         if _C.optimizer_ctx_active():
             return self.optim_named_parameters(prefix, remove_duplicate)
         return nn.Module.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def parameters(self, recurse=True):
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:  # type: ignore[override]
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
-    def parts(self):
+    def parts(self) -> List[RoundPipe]:
         """The RoundPipe of each part, in module order."""
         return list(self._parts)
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "AutoRoundPipe":
         nn.Module.train(self, mode)
         for part in self._parts:
             part.train(mode)
         return self
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         self.synchronize()
         return nn.Module.state_dict(self, *args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict=True, assign=False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads in place (this module's ``model.`` keys or the model's own)
         and refreshes the parts' optimizer copies."""
         if assign:
@@ -379,8 +385,11 @@ class AutoRoundPipe(nn.Module):
         return f"AutoRoundPipe(name={self.name!r}, parts={self._part_paths})"
 
 
-def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024, upper_threshold=None,
-                            skip_modules=(), override_config=None, **roundpipe_kwargs):
+def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bool] = None,
+                            lower_threshold: int = 16 * 1024, upper_threshold: Optional[int] = None,
+                            skip_modules: Iterable[nn.Module] = (),
+                            override_config: Optional[Dict[nn.Module, RoundPipeRunConfig]] = None,
+                            **roundpipe_kwargs: Any) -> Union[RoundPipe, "AutoRoundPipe"]:
     """A RoundPipe for ``model`` as it was loaded.
 
     - Hugging Face ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,

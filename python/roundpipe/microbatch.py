@@ -1,6 +1,7 @@
 """Split and merge specs (docs/python.md, "API summary"), compatible with
 ``torch.distributed.pipelining.microbatch``'s classes (accepted as well)."""
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -12,7 +13,7 @@ from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 class TensorChunkSpec:
     """Split (or, for outputs, concatenate) a tensor along ``split_dim``."""
 
-    def __init__(self, split_dim=0):
+    def __init__(self, split_dim: int = 0) -> None:
         self.split_dim = split_dim
 
     def __repr__(self):
@@ -30,7 +31,7 @@ class Replicate:
 class CustomReducer:
     """Merge outputs with ``reduce_fn(acc, x)``, starting from ``init_value``."""
 
-    def __init__(self, init_value, reduce_fn):
+    def __init__(self, init_value: Any, reduce_fn: Callable[[Any, Any], Any]) -> None:
         self.init_value = init_value
         self.reduce_fn = reduce_fn
 
