@@ -39,6 +39,19 @@ def spawn(nproc, argv):
     return next((c for c in codes if c != 0), 0)
 
 
+def without_nproc(argv):
+    """The arguments for the processes: all but `--nproc N` / `--nproc=N`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=0, help="start this many local processes")
@@ -47,8 +60,7 @@ def main():
     parser.add_argument("--checkpoint", default="", help="save the training state here at the end")
     args, rest = parser.parse_known_args()
     if args.nproc > 0 and "RANK" not in os.environ:
-        sys.exit(spawn(args.nproc, [a for a in sys.argv[1:] if not a.startswith("--nproc")
-                                    and a != str(args.nproc)]))
+        sys.exit(spawn(args.nproc, without_nproc(sys.argv[1:])))
 
     group = roundpipe.distributed.init_process_group(timeout=120)
     rank, world = group.rank, group.world_size

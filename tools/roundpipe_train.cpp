@@ -7,6 +7,7 @@
 //   roundpipe-train --preset qwen3 --devices cpu:4 --dtype bf16 --steps 1000
 //   roundpipe-train --config cfg.json --weights model.safetensors --data train.bin
 //   roundpipe-train --checkpoint run.ckpt --save-every 100 ...; later --resume run.ckpt
+//   roundpipe-train --hf-model DIR --data train.bin --save-hf OUT   # from_pretrained(OUT) loads it
 //
 // The training loop, top to bottom (run()):
 //   model: preset/config -> make_decoder -> weights -> dtype -> RoundPipe
@@ -53,6 +54,7 @@
 #include <vector>
 
 #include "train/data.h"
+#include "train/export.h"
 #include "train/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/options.h"
@@ -184,6 +186,22 @@ double evaluate(RoundPipe& model, const std::vector<TokenBatch>& batches, int64_
   return rows > 0 ? sum / rows : std::nan("");
 }
 
+// The device pool, fixed by this first use; a bad --devices spec is named as
+// the flag, not as the environment variable it is passed through.
+std::vector<std::string> device_pool(const TrainOptions& o) {
+  try {
+    return get_device_names();
+  } catch (const c10::ValueError& e) {
+    if (o.devices.empty()) throw;
+    std::string what = e.what_without_backtrace();
+    const std::string env = "ROUNDPIPE_DEVICES='" + o.devices + "'";
+    for (size_t at = what.find(env); at != std::string::npos; at = what.find(env, at)) {
+      what.replace(at, env.size(), "--devices " + o.devices);
+    }
+    throw InputError(what);
+  }
+}
+
 json memory_json(const std::vector<DeviceMemoryStats>& stats) {
   json out = json::object();
   for (const auto& d : stats) out[d.device] = d.max_allocated_bytes;
@@ -209,7 +227,7 @@ int run(const TrainOptions& o) {
          std::to_string(cfg.max_position_embeddings) + ")");
   }
   const at::ScalarType dtype = model_dtype(o.dtype);
-  const std::vector<std::string> devices = get_device_names();  // fixes the pool
+  const std::vector<std::string> devices = device_pool(o);  // fixes the pool
   if (dtype == at::kHalf) {
     for (const std::string& d : devices) {
       if (d.rfind("cpu", 0) == 0) {
@@ -401,7 +419,7 @@ int run(const TrainOptions& o) {
     const double loss = evaluate(model, data.eval, microbatches);
     char buf[96];
     std::snprintf(buf, sizeof buf, "eval at step %lld: loss %.4f", (long long)step, loss);
-    progress.message(buf);
+    progress.note(buf);  // --quiet: the summary line reports the last evaluation
     pending.push_back({0, json{{"type", "eval"},
                                {"step", step},
                                {"eval_loss", finite_or_null(loss)},
@@ -429,7 +447,7 @@ int run(const TrainOptions& o) {
       return;
     }
     flush();
-    progress.message("checkpoint of step " + std::to_string(step) + " written to " + path);
+    progress.note("checkpoint of step " + std::to_string(step) + " written to " + path);
   };
 
   std::deque<double> recent;  // seconds of the last steps, for tokens/s and ETA
@@ -522,6 +540,17 @@ int run(const TrainOptions& o) {
   progress.finish();
   eval_loss = run_eval(last_step);
   flush();
+  if (!o.save_hf.empty()) {
+    HfExport e;
+    e.dir = o.save_hf;
+    e.max_shard_bytes = static_cast<uint64_t>(o.save_hf_shard_mb) * 1000000;
+    e.source_config = o.config;
+    e.dtype = o.dtype;
+    e.lora_rank = o.lora_rank;
+    e.lora.alpha = o.lora_alpha;
+    e.lora.target_modules = split_list(o.lora_targets);
+    progress.message(save_hf(net, cfg, e));
+  }
   if (!o.trace.empty()) {
     stop_trace();
     std::printf("trace written to %s\n", o.trace.c_str());

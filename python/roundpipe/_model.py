@@ -3,14 +3,21 @@ import atexit
 import functools
 import os
 import sys
+import warnings
 import weakref
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import _C, _optimizer_guard
-from .microbatch import _with_packed_split
-from .run_config import RoundPipeRunConfig
+from .grad_scaler import _check_no_torch_scaler
+from .microbatch import _batch_size, _with_packed_split
+from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
+
+if TYPE_CHECKING:
+    from .timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
 
@@ -31,7 +38,8 @@ def _close_live_engines():
     _C.close_engine_threads_gate()
 
 
-def load_into_matching(wrapper, others, state_dict, strict):
+def load_into_matching(wrapper: nn.Module, others: List[nn.Module], state_dict: Mapping[str, Any],
+                       strict: bool) -> Any:
     """Loads ``state_dict`` into the module whose keys it uses: ``wrapper``
     (its own keys, ``model.``-prefixed) or one of ``others`` (the wrapped
     model's keys); the most matching keys win, ``wrapper`` on a tie."""
@@ -46,6 +54,59 @@ def load_into_matching(wrapper, others, state_dict, strict):
 
 def _default_loss_fn(outputs, labels):
     return outputs
+
+
+class _Loss(torch.Tensor):
+    """The loss ``forward_backward`` returns: a plain detached CPU tensor
+    (operations on it give plain tensors) whose ``backward()`` says why there
+    is nothing left to do, instead of torch's "does not require grad"."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "forward_backward has already run the backward pass and accumulated the gradients; the loss "
+            "it returns is detached, for logging. Apply the gradients with model.step(...); for a "
+            "backward pass of your own, call model(...) and then loss.backward()")
+
+    def __repr__(self, **kwargs):
+        return repr(self.as_subclass(torch.Tensor))
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+def _as_loss(value):
+    """``forward_backward``'s result (a tensor or a list of them) as _Loss."""
+    if isinstance(value, torch.Tensor) and not value.requires_grad:
+        return torch.Tensor._make_subclass(_Loss, value)
+    if isinstance(value, list):
+        return [_as_loss(v) for v in value]
+    return value
+
+
+def check_grad_mode(who):
+    if not torch.is_grad_enabled():
+        raise RuntimeError(f"{who}.forward_backward computes gradients, but grad mode is off (torch.no_grad() or "
+                           "torch.inference_mode()); call it with grad mode on, or call the model itself "
+                           "for a forward pass without gradients")
+
+
+def check_is_async(is_async):
+    if not isinstance(is_async, bool):
+        raise TypeError(f"step: is_async must be a bool, got {is_async!r}; step_fn's own arguments follow it "
+                        "(step(step_fn, True, *args)), or bind them: step(functools.partial(step_fn, ...))")
+
+
+def warn_small_batch(model, n, batch, stacklevel=4):
+    """The batch-smaller-than-num_microbatch warning, once per model."""
+    if not model.__dict__.get("_warned_small_batch"):
+        model.__dict__["_warned_small_batch"] = True
+        warnings.warn(f"{type(model).__name__} '{model.name}': num_microbatch {n} is larger than the batch size "
+                      f"{batch}; using {batch} (said once per model)", UserWarning, stacklevel=stacklevel)
 
 
 def _caller_name(depth=2):
@@ -92,10 +153,12 @@ class RoundPipe(nn.Module):
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
                       "_gradient_reduction", "_pin_model", "_default_merge", "_overlap_iterations",
-                      "_sync_warmup_steps"))
+                      "_sync_warmup_steps", "_warned_small_batch"))
 
-    def __init__(self, model, optim_dtype=None, name=None, model_run_config=None, pin_model="alloc",
-                 process_group=None, gradient_reduction="sum", overlap_iterations=True, sync_warmup_steps=None):
+    def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, name: Optional[str] = None,
+                 model_run_config: Optional[RoundPipeRunConfig] = None, pin_model: str = "alloc",
+                 process_group: Any = None, gradient_reduction: str = "sum", overlap_iterations: bool = True,
+                 sync_warmup_steps: Optional[int] = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"RoundPipe: model must be a torch.nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
@@ -169,15 +232,37 @@ class RoundPipe(nn.Module):
 
     # ---- calls -------------------------------------------------------------
 
-    def forward(self, *args, roundpipe_run_config=None, **kwargs):
+    def forward(self, *args: Any, roundpipe_run_config: Optional[RoundPipeRunConfig] = None, **kwargs: Any) -> Any:
         """Splits the batch into microbatches, runs the pipeline, merges the
         outputs (on the CPU by default). With grad mode on, the outputs carry
         autograd history: ``loss.backward()`` runs the backward stages."""
-        return self._engine.forward(args, kwargs, _with_packed_split(args, kwargs, roundpipe_run_config,
-                                                                     self._run_config))
+        return self._engine.forward(args, kwargs, self._call_config(args, kwargs, roundpipe_run_config))
 
-    def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=_default_loss_fn,
-                         return_outputs=False, run_config=None):
+    def _call_config(self, args, kwargs, run_config):
+        """The run config of a call: packed inputs get an explicit split
+        (microbatch.py), and a batch smaller than num_microbatch is reduced
+        here, with a warning once per model rather than at every call."""
+        run_config = _with_packed_split(args, kwargs, run_config, self._run_config)
+        if run_config is not None and not isinstance(run_config, RoundPipeRunConfig):
+            return run_config  # the engine says what is wrong with it
+
+        def field(name):
+            value = getattr(run_config, name) if run_config is not None else None
+            return value if value is not None else getattr(self._run_config, name)
+
+        if field("split_input") is not None:
+            return run_config  # the engine finds the batch size of a custom split
+        n = field("num_microbatch") or self._engine.num_devices() + 1
+        batch = _batch_size(args, kwargs)
+        if batch is None or not 1 <= batch < n:
+            return run_config
+        warn_small_batch(self, n, batch)
+        fields = {f: getattr(run_config, f) for f in _RUN_CONFIG_FIELDS} if run_config is not None else {}
+        return RoundPipeRunConfig(**{**fields, "num_microbatch": batch})
+
+    def forward_backward(self, input_args: Sequence[Any] = (), input_kwargs: Optional[Dict[str, Any]] = None,
+                         label: Any = None, loss_fn: Callable[[Any, Any], Any] = _default_loss_fn,
+                         return_outputs: bool = False, run_config: Optional[RoundPipeRunConfig] = None) -> Any:
         """Forward and backward fused in one pipeline; exactly::
 
             for args_m, kwargs_m, label_m in split(input_args, input_kwargs, label):
@@ -186,7 +271,9 @@ class RoundPipe(nn.Module):
 
         Returns the sum of the microbatch losses (CPU, detached; a list of sums
         if loss_fn returns a sequence), and the merged outputs as well when
-        ``return_outputs``."""
+        ``return_outputs``. The backward pass has run: the loss is for
+        logging (its ``backward()`` is an error), and grad mode must be on."""
+        check_grad_mode("RoundPipe")
         if isinstance(input_args, list):
             input_args = tuple(input_args)
         if not isinstance(input_args, tuple):
@@ -198,30 +285,38 @@ class RoundPipe(nn.Module):
             raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
-        run_config = _with_packed_split(input_args, input_kwargs, run_config, self._run_config)
+        run_config = self._call_config(input_args, input_kwargs, run_config)
         out = self._engine.forward_backward(input_args, input_kwargs, label, loss_fn, bool(return_outputs),
                                             run_config)
-        return tuple(out) if return_outputs else out
+        return (_as_loss(out[0]), out[1]) if return_outputs else _as_loss(out)
 
-    def step(self, step_fn, is_async=True, *args, **kwargs):
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         """Queues on the optimizer thread: handing the gradients of every call
         so far to the optimizer copies' ``.grad``, then ``step_fn(*args,
         **kwargs)``. ``is_async=False`` waits, and later calls see the new
         parameters; ``is_async=True`` returns at once, and later calls see the
-        parameters from before this step (one-step delay)."""
+        parameters from before this step (one-step delay).
+
+        Before any ``forward_backward`` (or when every gradient has been
+        zeroed) ``step_fn`` runs with no gradients: optimizers skip the
+        parameters whose ``.grad`` is None, as torch's do."""
         if not callable(step_fn):
             raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
+        check_is_async(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        self._engine.step(fn, bool(is_async))
+        if is_async:
+            _check_no_torch_scaler(fn)
+        self._engine.step(fn, is_async)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits for queued work; then the parameters hold the latest optimizer
         result and ``.grad`` the gradients not yet handed to an optimizer."""
         self._engine.synchronize()
 
     # ---- parameters --------------------------------------------------------
 
-    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+    def optim_named_parameters(self, prefix: str = "",
+                               remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The optimizer copies, named like the model's parameters."""
         seen = set()
         for name, p in self._parameter_slots(prefix):
@@ -230,12 +325,13 @@ class RoundPipe(nn.Module):
             seen.add(id(p))
             yield name, self._optim_by_master[id(p)]
 
-    def optim_parameters(self):
+    def optim_parameters(self) -> Iterator[torch.Tensor]:
         """The optimizer copies: one per trainable parameter, tied ones once."""
         for _, p in self.optim_named_parameters():
             yield p
 
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The model's parameters; the optimizer copies inside an OptimizerCtx
         and inside a step_fn."""
         if _C.optimizer_ctx_active():
@@ -252,11 +348,12 @@ class RoundPipe(nn.Module):
                     full = f"{mod_name}.{name}" if mod_name else name
                     yield (f"{prefix}.{full}" if prefix else full), p
 
-    def parameters(self, recurse=True):
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:  # type: ignore[override]
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
-    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The model's buffers as the latest call left them (a call still
         running is waited for)."""
         self._engine.wait_published()
@@ -264,7 +361,7 @@ class RoundPipe(nn.Module):
 
     # ---- module behaviour --------------------------------------------------
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "RoundPipe":
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         nn.Module.train(self, mode)
@@ -273,14 +370,14 @@ class RoundPipe(nn.Module):
         self._engine.train(mode)
         return self
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """The state dict (the wrapped model's under ``model.``) as the latest
         step published it (after an asynchronous step: the parameters from
         before it; call synchronize() first for the latest optimizer result)."""
         self._engine.wait_published()
         return nn.Module.state_dict(self, *args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict=True, assign=False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads into the wrapped model's tensors (in place) and refreshes the
         optimizer copies, so the next step does not undo the load."""
         if assign:
@@ -294,7 +391,7 @@ class RoundPipe(nn.Module):
         self._engine.refresh_optimizer_copies()
         return result
 
-    def to(self, *args, **kwargs):
+    def to(self, *args: Any, **kwargs: Any) -> "RoundPipe":
         """``to(dtype)`` converts the model's floating-point tensors and rebuilds
         the pipeline (and its optimizer copies: create optimizers afterwards).
         Devices: the model stays on the CPU (ValueError otherwise)."""
@@ -315,38 +412,38 @@ class RoundPipe(nn.Module):
                         "stage: it cannot be moved or converted tensor by tensor. Use .to(dtype) "
                         "(or .half(), .float(), .bfloat16(), .double()) to change the dtype")
 
-    def half(self):
+    def half(self) -> "RoundPipe":
         return self.to(torch.float16)
 
-    def float(self):
+    def float(self) -> "RoundPipe":
         return self.to(torch.float32)
 
-    def double(self):
+    def double(self) -> "RoundPipe":
         return self.to(torch.float64)
 
-    def bfloat16(self):
+    def bfloat16(self) -> "RoundPipe":
         return self.to(torch.bfloat16)
 
-    def cpu(self):
+    def cpu(self) -> "RoundPipe":
         return self
 
-    def cuda(self, device=None):
+    def cuda(self, device: Any = None) -> "RoundPipe":
         return self.to("cuda" if device is None else device)
 
-    def set_original_model(self, model):
+    def set_original_model(self, model: nn.Module) -> None:
         """Attribute access falls through to ``model`` instead of the wrapped one."""
         self.__dict__["_original"] = model
 
-    def num_devices(self):
+    def num_devices(self) -> int:
         return self._engine.num_devices()
 
     @property
-    def timer(self):
+    def timer(self) -> "ModelTimer":
         """This model's per-layer timing estimates (roundpipe.timer.ModelTimer)."""
         from .timer import ModelTimer
         return ModelTimer(self)
 
-    def default_execute_plan(self, run_type):
+    def default_execute_plan(self, run_type: str) -> Any:
         """The plan a call of ``run_type`` ("infer", "train", "fused") uses when
         its run config has none: the automatic plan over the timer's estimates,
         kept until a new one is predicted at least 20% faster."""

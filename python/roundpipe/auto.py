@@ -14,21 +14,28 @@ thread, with the model's own code between the parts. A model in which no
 submodule qualifies (too small to split) is one part, whole.
 
 The model is not rebuilt: every submodule keeps its place, name and tensors,
-so ``state_dict`` and ``save_pretrained`` write the same keys as before;
-calling a part runs its pipeline. An :class:`AutoRoundPipe` has
+so ``state_dict`` and ``save_pretrained`` write the same keys as before.
+During the AutoRoundPipe's own calls a part's submodule runs its pipeline,
+as one microbatch; otherwise the model is left as it was (its ``generate``
+runs transformers' code on the CPU, with the same weights). An
+:class:`AutoRoundPipe` has
 RoundPipe's calls (``forward``, ``forward_backward`` with the microbatch loop
 of ``RoundPipe.forward_backward`` and RoundPipe's split and merge, ``step``,
 ``synchronize``, ``optim_parameters``, ...). Its steps are synchronous: the
 parts are separate pipelines, so the optimizer runs on the calling thread
 once every part has handed over its gradients.
 """
+import contextlib
+import threading
 import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from . import _C
-from ._model import RoundPipe, _caller_name, load_into_matching
+from ._model import (RoundPipe, _as_loss, _caller_name, check_grad_mode, check_is_async, load_into_matching,
+                     warn_small_batch)
 from .microbatch import _merge_auto, _split_auto
 from .hf import _FAMILIES, merge_hf_outputs, preset_layers
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
@@ -113,6 +120,52 @@ def _route_to(part):
     return forward
 
 
+def _part_config(override, config):
+    """A part's run config: its override, else the model's, with one
+    microbatch unless the override asks for more. The model's calls are its
+    microbatches already (forward_backward splits the batch; a generation
+    step's key/value cache must see the whole batch at once), and a part is
+    one layer, which a finer split would not pipeline."""
+    chosen = override if override is not None else config
+    if not isinstance(chosen, RoundPipeRunConfig) or chosen is override and override.num_microbatch is not None:
+        return chosen  # RoundPipe refuses a config of another type
+    fields = {f: getattr(chosen, f) for f in _RUN_CONFIG_FIELDS}
+    return RoundPipeRunConfig(**{**fields, "num_microbatch": 1})
+
+
+class _Routing:
+    """The parts' pipelines stand in for their submodules only during this
+    model's own calls: the loaded model, called directly (``generate``), is
+    left as it was and runs on the CPU with the same weights."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved = []
+
+    def enter(self, routes):
+        with self.lock:
+            if self.depth == 0:
+                self.saved = [(module, module.__dict__.get("forward", _UNSET)) for module, _ in routes]
+                for module, forward in routes:
+                    module.__dict__["forward"] = forward
+            self.depth += 1
+
+    def exit(self):
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                for module, forward in self.saved:
+                    if forward is _UNSET:
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = forward
+                self.saved = []
+
+
+_UNSET = object()
+
+
 class AutoRoundPipe(nn.Module):
     """``model``'s module tree split into pipelined parts (module doc), for
     any model: presets are ``wrap_model_to_roundpipe``'s choice.
@@ -122,10 +175,13 @@ class AutoRoundPipe(nn.Module):
     and ``model_run_config`` are the model's; the other keywords go to each
     part's RoundPipe (``optim_dtype``, ``pin_model``, ...)."""
 
-    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async"))
+    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async",
+                      "_warned_small_batch", "_routes", "_routing"))
 
-    def __init__(self, model, lower_threshold=16 * 1024, upper_threshold=None, skip_modules=(),
-                 override_config=None, name=None, model_run_config=None, **roundpipe_kwargs):
+    def __init__(self, model: nn.Module, lower_threshold: int = 16 * 1024, upper_threshold: Optional[int] = None,
+                 skip_modules: Iterable[nn.Module] = (),
+                 override_config: Optional[Dict[nn.Module, RoundPipeRunConfig]] = None, name: Optional[str] = None,
+                 model_run_config: Optional[RoundPipeRunConfig] = None, **roundpipe_kwargs: Any) -> None:
         _check_split_arguments("AutoRoundPipe", model, lower_threshold, upper_threshold, override_config)
         name = _caller_name() if name is None else str(name)
         config = model_run_config if model_run_config is not None else RoundPipeRunConfig()
@@ -143,25 +199,39 @@ class AutoRoundPipe(nn.Module):
         nn.Module.__init__(self)
         own = self.__dict__
         self._modules["model"] = model
-        own.update(name=name, _run_config=config, _warned_async=False, _part_paths=paths)
-        parts = []
+        own.update(name=name, _run_config=config, _warned_async=False, _part_paths=paths,
+                   _routing=_Routing())
+        parts, routes = [], []
         for path in paths:
             module = model.get_submodule(path)
             part = RoundPipe(_Part(module), name=f"{name}.{path}" if path else name,
-                             model_run_config=(override_config or {}).get(module, config), **roundpipe_kwargs)
-            module.forward = _route_to(part)  # the model's calls of the submodule run the pipeline
+                             model_run_config=_part_config((override_config or {}).get(module), config),
+                             **roundpipe_kwargs)
             parts.append(part)
+            routes.append((module, _route_to(part)))
         own["_parts"] = parts
+        own["_routes"] = routes
         self.training = model.training
 
     # ---- calls -------------------------------------------------------------
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own forward; each part's call runs its pipeline."""
-        return self.model(*args, **kwargs)
+        with self._routed():
+            return self.model(*args, **kwargs)
 
-    def forward_backward(self, input_args=(), input_kwargs=None, label=None,
-                         loss_fn=lambda outputs, labels: outputs, return_outputs=False, run_config=None):
+    @contextlib.contextmanager
+    def _routed(self):
+        routing = self.__dict__["_routing"]
+        routing.enter(self.__dict__["_routes"])
+        try:
+            yield
+        finally:
+            routing.exit()
+
+    def forward_backward(self, input_args: Sequence[Any] = (), input_kwargs: Optional[Dict[str, Any]] = None,
+                         label: Any = None, loss_fn: Callable[[Any, Any], Any] = lambda outputs, labels: outputs,
+                         return_outputs: bool = False, run_config: Optional[RoundPipeRunConfig] = None) -> Any:
         """The loop of ``RoundPipe.forward_backward`` over microbatches of the
         whole model (automatic split; ``run_config`` may set num_microbatch
         only)."""
@@ -174,18 +244,21 @@ class AutoRoundPipe(nn.Module):
             raise TypeError(f"forward_backward: input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
-        inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config))
+        check_grad_mode("AutoRoundPipe")
+        inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config),
+                                     warn=lambda n, batch: warn_small_batch(self, n, batch, stacklevel=5))
         total, outputs = None, []
-        for (args_m, kwargs_m), label_m in zip(inputs, labels):
-            out = self.model(*args_m, **kwargs_m)
-            loss = loss_fn(out, label_m)
-            losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
-            torch.autograd.backward(losses)
-            detached = [t.detach().cpu() for t in losses]
-            total = detached if total is None else [a + b for a, b in zip(total, detached)]
-            if return_outputs:
-                outputs.append(out)
-        result = total if isinstance(loss, (list, tuple)) else total[0]
+        with self._routed():
+            for (args_m, kwargs_m), label_m in zip(inputs, labels):
+                out = self.model(*args_m, **kwargs_m)
+                loss = loss_fn(out, label_m)
+                losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+                torch.autograd.backward(losses)
+                detached = [t.detach().cpu() for t in losses]
+                total = detached if total is None else [a + b for a, b in zip(total, detached)]
+                if return_outputs:
+                    outputs.append(out)
+        result = _as_loss(total if isinstance(loss, (list, tuple)) else total[0])
         return (result, _merge_auto(outputs)) if return_outputs else result
 
     def _num_microbatch(self, run_config):
@@ -203,13 +276,14 @@ class AutoRoundPipe(nn.Module):
             return self._run_config.num_microbatch
         return _C.get_num_devices() + 1
 
-    def step(self, step_fn, is_async=True, *args, **kwargs):
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         """Every part hands its gradients to its optimizer copies, then
         ``step_fn(*args, **kwargs)`` runs here, then every part takes the new
         values. Synchronous: ``is_async=True`` is run as ``False`` (once
         warned); later calls see the new parameters."""
         if not callable(step_fn):
             raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
+        check_is_async(is_async)
         if is_async and not self._warned_async:
             warnings.warn("AutoRoundPipe.step runs synchronously: the parts of a model split by its module tree "
                           "are separate pipelines, whose optimizer copies one step_fn updates together",
@@ -221,7 +295,7 @@ class AutoRoundPipe(nn.Module):
         for part in self._parts:
             part.step(_noop, is_async=False)  # no gradients left to hand over: writes the new values
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         for part in self._parts:
             part.synchronize()
 
@@ -233,7 +307,8 @@ class AutoRoundPipe(nn.Module):
             by_master.update(part._optim_by_master)
         return by_master
 
-    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+    def optim_named_parameters(self, prefix: str = "",
+                               remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The optimizer copies of the parts' parameters, and the parameters
         between the parts themselves (they train in place), named as the
         model's parameters."""
@@ -248,34 +323,35 @@ class AutoRoundPipe(nn.Module):
             elif p.requires_grad:
                 yield name, p
 
-    def optim_parameters(self):
+    def optim_parameters(self) -> Iterator[torch.Tensor]:
         for _, p in self.optim_named_parameters():
             yield p
 
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_parameters(self, prefix: str = "", recurse: bool = True,  # type: ignore[override]
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         if _C.optimizer_ctx_active():
             return self.optim_named_parameters(prefix, remove_duplicate)
         return nn.Module.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def parameters(self, recurse=True):
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:  # type: ignore[override]
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
-    def parts(self):
+    def parts(self) -> List[RoundPipe]:
         """The RoundPipe of each part, in module order."""
         return list(self._parts)
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "AutoRoundPipe":
         nn.Module.train(self, mode)
         for part in self._parts:
             part.train(mode)
         return self
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         self.synchronize()
         return nn.Module.state_dict(self, *args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict=True, assign=False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads in place (this module's ``model.`` keys or the model's own)
         and refreshes the parts' optimizer copies."""
         if assign:
@@ -309,8 +385,11 @@ class AutoRoundPipe(nn.Module):
         return f"AutoRoundPipe(name={self.name!r}, parts={self._part_paths})"
 
 
-def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024, upper_threshold=None,
-                            skip_modules=(), override_config=None, **roundpipe_kwargs):
+def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bool] = None,
+                            lower_threshold: int = 16 * 1024, upper_threshold: Optional[int] = None,
+                            skip_modules: Iterable[nn.Module] = (),
+                            override_config: Optional[Dict[nn.Module, RoundPipeRunConfig]] = None,
+                            **roundpipe_kwargs: Any) -> Union[RoundPipe, "AutoRoundPipe"]:
     """A RoundPipe for ``model`` as it was loaded.
 
     - Hugging Face ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,

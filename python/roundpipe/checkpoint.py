@@ -10,10 +10,15 @@ leaves the previous file in place.
 import copy
 import io
 import os
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
 
 from . import _C
+
+if TYPE_CHECKING:
+    from ._model import RoundPipe
+    from .grad_scaler import GradScaler
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -31,7 +36,9 @@ def _anchor(model, who):
     raise ValueError(f"{who}: the model has no parameters or buffers; there is nothing to checkpoint")
 
 
-def save_checkpoint(path, model, optimizer=None, scaler=None, step=0, extra=None):
+def save_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
+                    optimizer: Optional[torch.optim.Optimizer] = None, scaler: Optional["GradScaler"] = None,
+                    step: int = 0, extra: Any = None) -> None:
     """Writes the whole training state of ``model`` (a RoundPipe) to ``path``.
 
     ``optimizer`` (any torch.optim-style optimizer over
@@ -57,7 +64,9 @@ def save_checkpoint(path, model, optimizer=None, scaler=None, step=0, extra=None
     _C.save_checkpoint(path, anchor, step, "{}", buffer.getvalue())
 
 
-def load_checkpoint(path, model, optimizer=None, scaler=None):
+def load_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
+                    optimizer: Optional[torch.optim.Optimizer] = None,
+                    scaler: Optional["GradScaler"] = None) -> Dict[str, Any]:
     """Restores a checkpoint into ``model`` (same architecture, any device
     count), and into ``optimizer`` and ``scaler`` when given. Returns
     ``{"step": ..., "extra": ...}``.

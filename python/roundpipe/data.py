@@ -25,7 +25,7 @@ for a token ``>= vocab_size``, its position and value); system errors raise
 ``RuntimeError``. The full rules are in include/roundpipe/token_data.h.
 """
 import os
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -65,11 +65,12 @@ class TokenFile:
     a bad token is reported when a read first covers it; ``validate()``
     checks the whole file)."""
 
-    def __init__(self, path: PathLike, dtype=None, vocab_size: int = 0):
+    def __init__(self, path: PathLike, dtype: Union[str, torch.dtype, None] = None, vocab_size: int = 0) -> None:
         self._core = _C.TokenFile(os.fspath(path), _dtype_name(dtype), int(vocab_size))
 
     @classmethod
-    def from_tensor(cls, tokens, name: str = "<memory>", vocab_size: int = 0) -> "TokenFile":
+    def from_tensor(cls, tokens: Union[torch.Tensor, Sequence[int], Any], name: str = "<memory>",
+                    vocab_size: int = 0) -> "TokenFile":
         """Tokens held in memory (a 1-D integer tensor, array or list;
         values in ``[0, 2**32)``, checked)."""
         self = cls.__new__(cls)
@@ -125,7 +126,7 @@ class TokenBatcher:
     Not thread-safe: use one batcher from one thread at a time."""
 
     def __init__(self, data: Union[TokenFile, PathLike, torch.Tensor], seq_len: int, seed: int = 0,
-                 shuffle: bool = True, eval_windows: int = 0, eval_fraction: float = 0.0):
+                 shuffle: bool = True, eval_windows: int = 0, eval_fraction: float = 0.0) -> None:
         if isinstance(data, torch.Tensor):
             data = TokenFile.from_tensor(data)
         elif not isinstance(data, TokenFile):
@@ -158,7 +159,7 @@ class TokenBatcher:
     def position(self) -> DataPosition:
         return DataPosition(*self._core.position())
 
-    def seek(self, position) -> None:
+    def seek(self, position: Union[DataPosition, Sequence[int]]) -> None:
         """Moves to ``position`` (a DataPosition, a ``(seed, epoch, index)``
         tuple, or a dict with those keys): the following batches are then
         bitwise those that followed it before."""
@@ -167,11 +168,11 @@ class TokenBatcher:
         seed, epoch, index = position
         self._core.seek(int(seed), int(epoch), int(index))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> Dict[str, Any]:
         """``{"seed", "epoch", "index"}``: the whole state, for checkpoints."""
         return self.position()._asdict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.seek(state)
 
     def eval_batches(self, batch_size: int, max_batches: int = 0) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -184,7 +185,8 @@ class TokenBatcher:
         return self._core.window_at(int(seed), int(epoch), int(index))
 
 
-def write_token_file(path: PathLike, tokens, dtype="uint16") -> None:
+def write_token_file(path: PathLike, tokens: Union[torch.Tensor, Sequence[int], Any],
+                     dtype: Union[str, torch.dtype] = "uint16") -> None:
     """Writes ``tokens`` (a 1-D integer tensor, array or list) as a token file
     of ``dtype`` (``"uint16"``/``"uint32"`` or the numpy dtype), atomically.
     Raises ``ValueError`` before writing when a token does not fit."""
@@ -203,7 +205,7 @@ def encode_bytes(text: Union[str, bytes]) -> torch.Tensor:
     return _C.encode_bytes(bytes(text))
 
 
-def decode_bytes(tokens) -> bytes:
+def decode_bytes(tokens: Union[torch.Tensor, Sequence[int]]) -> bytes:
     """The inverse of ``encode_bytes`` (``.decode("utf-8", "replace")`` for text)."""
     return _C.decode_bytes(torch.as_tensor(tokens))
 

@@ -12,7 +12,7 @@ from . import _C
 class PoolDevice:
     """One device of the pool."""
 
-    def __init__(self, index: int, name: str):
+    def __init__(self, index: int, name: str) -> None:
         self.index = index
         self.name = name  # "cpu:1", "cuda:0"
         kind, _, number = name.partition(":")

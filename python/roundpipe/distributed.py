@@ -31,6 +31,7 @@ naming the collective within ``timeout``; the group is unusable afterwards
 or any launcher that sets the four variables (see docs/distributed.md).
 """
 from datetime import timedelta
+from typing import Optional, Union
 
 from . import _C
 
@@ -63,7 +64,8 @@ def is_available() -> bool:
     return _C.distributed_available()
 
 
-def init_process_group(init_method="env://", rank=None, world_size=None, timeout=timedelta(minutes=5)):
+def init_process_group(init_method: str = "env://", rank: Optional[int] = None, world_size: Optional[int] = None,
+                       timeout: Union[timedelta, float] = timedelta(minutes=5)) -> "_C.ProcessGroup":
     """Meets the other processes and returns their ``ProcessGroup``.
 
     - ``init_method``: ``"env://"`` (``MASTER_ADDR``, ``MASTER_PORT``; rank 0

@@ -1,6 +1,7 @@
 """Split and merge specs (docs/python.md, "API summary"), compatible with
 ``torch.distributed.pipelining.microbatch``'s classes (accepted as well)."""
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -12,7 +13,7 @@ from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 class TensorChunkSpec:
     """Split (or, for outputs, concatenate) a tensor along ``split_dim``."""
 
-    def __init__(self, split_dim=0):
+    def __init__(self, split_dim: int = 0) -> None:
         self.split_dim = split_dim
 
     def __repr__(self):
@@ -30,7 +31,7 @@ class Replicate:
 class CustomReducer:
     """Merge outputs with ``reduce_fn(acc, x)``, starting from ``init_value``."""
 
-    def __init__(self, init_value, reduce_fn):
+    def __init__(self, init_value: Any, reduce_fn: Callable[[Any, Any], Any]) -> None:
         self.init_value = init_value
         self.reduce_fn = reduce_fn
 
@@ -100,14 +101,19 @@ def _with_packed_split(args, kwargs, run_config, model_config):
     return RoundPipeRunConfig(**{**fields, "split_input": (None, {k: spec(v) for k, v in kwargs.items()})})
 
 
-def _split_auto(args, kwargs, label, n):
+def _split_auto(args, kwargs, label, n, warn=None):
     """The automatic split of (args, kwargs) and label into microbatches:
-    ``([(args_m, kwargs_m)], [label_m])``, by the engine's own split."""
+    ``([(args_m, kwargs_m)], [label_m])``, by the engine's own split.
+    ``warn(n, batch)`` says that the batch is smaller than ``n``."""
     batch = _batch_size(args, kwargs)
     if batch is not None and batch < n:
         if batch < 1:
             raise ValueError("the batch is empty (dim 0 of the first input tensor is 0)")
-        warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}", stacklevel=3)
+        if warn is not None:
+            warn(n, batch)
+        else:
+            warnings.warn(f"num_microbatch {n} is larger than the batch size {batch}; using {batch}",
+                          stacklevel=3)
         n = batch
     packed = _with_packed_split(args, kwargs, None, RoundPipeRunConfig())
     return _C.split_inputs(tuple(args), dict(kwargs), n, packed), _C.split_label(label, n)

@@ -11,10 +11,15 @@ ROUNDPIPE_SIMD=scalar|avx2|avx512 forces one), multithreaded, with the GIL
 released.
 """
 import warnings
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
 from . import _C
+
+# What torch.optim's constructors take: tensors, or parameter groups.
+Params = Union[Iterable[torch.Tensor], Iterable[Dict[str, Any]]]
+StateDtype = Union[torch.dtype, str, None]
 
 
 def _check_unsupported(name, capturable, differentiable, foreach, fused):
@@ -121,9 +126,11 @@ class Adam(torch.optim.Optimizer):
     (float16, float64, complex128) are a TypeError naming the parameter.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, state_dtype=None):
+    def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
+                 state_dtype: StateDtype = None) -> None:
         if isinstance(lr, torch.Tensor):
             lr = float(lr)
         if not 0.0 <= lr:
@@ -143,7 +150,7 @@ class Adam(torch.optim.Optimizer):
                         state_dtype=_state_dtype_name(type(self).__name__, state_dtype))
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
         name = type(self).__name__
         if "state_dtype" in param_group:
             param_group = dict(param_group)
@@ -190,7 +197,7 @@ class Adam(torch.optim.Optimizer):
             else:
                 state[key] = value
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         # torch.optim casts floating-point states to the parameter's dtype
         # (which would turn bf16 states and 8-bit codes into float32); keep the
         # loaded tensors as they are, then convert them to this optimizer's
@@ -229,7 +236,7 @@ class Adam(torch.optim.Optimizer):
         return False
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:  # type: ignore[override]
         loss = _closure_loss(closure)
         places = _places(self.param_groups)
         for g, group in enumerate(self.param_groups):
@@ -301,9 +308,10 @@ class AdamW(Adam):
     """torch.optim.AdamW's interface (Adam with decoupled weight decay); see
     Adam for ``state_dtype``."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 state_dtype=None):
+    def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, state_dtype: StateDtype = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
@@ -316,8 +324,9 @@ class AdamW(Adam):
 class Adam8bit(Adam):
     """Adam with 8-bit blockwise states (``state_dtype="int8"``)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, *, maximize=False,
-                 foreach=None, fused=None):
+    def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                          maximize=maximize, fused=fused, state_dtype="int8")
 
@@ -325,8 +334,9 @@ class Adam8bit(Adam):
 class AdamW8bit(AdamW):
     """AdamW with 8-bit blockwise states (``state_dtype="int8"``)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False,
-                 foreach=None, fused=None):
+    def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
                          foreach=foreach, fused=fused, state_dtype="int8")
 
@@ -338,8 +348,10 @@ class SGD(torch.optim.Optimizer):
 
     _ACCEPTED = "torch.float32 or torch.complex64 (bfloat16 parameters: use Adam/AdamW)"
 
-    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None):
+    def __init__(self, params: Params, lr: Union[float, torch.Tensor] = 1e-3, momentum: float = 0,
+                 dampening: float = 0, weight_decay: float = 0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, differentiable: bool = False,
+                 fused: Optional[bool] = None) -> None:
         if isinstance(lr, torch.Tensor):
             lr = float(lr)
         if lr < 0.0:
@@ -363,7 +375,7 @@ class SGD(torch.optim.Optimizer):
             group.setdefault("maximize", False)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Optional[Any]:  # type: ignore[override]
         loss = _closure_loss(closure)
         _check_param_dtypes("SGD", self.param_groups, _SGD_DTYPES, self._ACCEPTED)
         for group in self.param_groups:

@@ -1,4 +1,6 @@
 """OptimizerCtx (docs/python.md, "API summary")."""
+from typing import Any
+
 from . import _C
 
 
@@ -13,13 +15,13 @@ class OptimizerCtx:
     builds the optimizer over the copies the optimizer thread updates. Acts on
     the current thread; nests."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._guards = []
 
-    def __enter__(self):
+    def __enter__(self) -> "OptimizerCtx":
         self._guards.append(_C._OptimizerCtxGuard())
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> bool:
         self._guards.pop()
         return False

@@ -16,14 +16,17 @@ switch (docs/hf.md, "Compact optimizer state"; the CLI's
     with roundpipe.OptimizerCtx():
         optimizer = optimizer_state.adamw(model.parameters(), state, lr=1e-4)
 """
+from typing import Any
+
 import torch
+from torch import nn
 
 from . import optim
 
 OPTIMIZER_STATES = ("fp32", "compact")
 
 
-def check(who, optimizer_state):
+def check(who: str, optimizer_state: str) -> str:
     """Returns ``optimizer_state`` if it is one of OPTIMIZER_STATES, else
     raises ValueError."""
     if optimizer_state not in OPTIMIZER_STATES:
@@ -31,7 +34,7 @@ def check(who, optimizer_state):
     return optimizer_state
 
 
-def optim_dtype_for(who, model, optimizer_state):
+def optim_dtype_for(who: str, model: nn.Module, optimizer_state: str) -> torch.dtype:
     """The ``optim_dtype`` for RoundPipe/wrap_model_to_roundpipe: fp32 copies
     for ``"fp32"``; for ``"compact"`` the dtype of the model's trainable
     parameters (which must all be bf16 or all fp32)."""
@@ -50,7 +53,7 @@ def optim_dtype_for(who, model, optimizer_state):
     return dtypes.pop() if dtypes else torch.float32
 
 
-def adamw(params, optimizer_state, **kwargs):
+def adamw(params: optim.Params, optimizer_state: str, **kwargs: Any) -> optim.AdamW:
     """``roundpipe.optim.AdamW(params, **kwargs)`` for ``"fp32"``,
     ``roundpipe.optim.AdamW8bit(params, **kwargs)`` for ``"compact"``."""
     cls = optim.AdamW8bit if check("optimizer_state.adamw", optimizer_state) == "compact" else optim.AdamW

@@ -1,4 +1,5 @@
 """ModelExecutePlan: how a call groups layers into stages (docs/trace.md, "2. Execution plans")."""
+from typing import Any, Iterable, List, Optional, Union
 
 
 class ModelExecutePlan:
@@ -9,7 +10,7 @@ class ModelExecutePlan:
     backward stage begins. A call validates the plan against its model and
     raises ValueError naming the broken rule."""
 
-    def __init__(self, fwd_plan=None, bwd_plan=None):
+    def __init__(self, fwd_plan: Optional[Iterable[range]] = None, bwd_plan: Optional[Iterable[range]] = None) -> None:
         self.fwd_plan = list(fwd_plan or [])
         self.bwd_plan = list(bwd_plan or [])
         for name, plan in (("fwd_plan", self.fwd_plan), ("bwd_plan", self.bwd_plan)):
@@ -18,7 +19,8 @@ class ModelExecutePlan:
                     raise TypeError(f"ModelExecutePlan.{name}: entries must be range objects, got {r!r}")
 
     @staticmethod
-    def auto(run_type, *models, min_stages=None, upper_threshold=1.1, model_memory_limit=None):
+    def auto(run_type: str, *models: Any, min_stages: Optional[int] = None, upper_threshold: float = 1.1,
+             model_memory_limit: Optional[float] = None) -> Union["ModelExecutePlan", List["ModelExecutePlan"]]:
         """Plans for ``models`` (RoundPipe models called one after another),
         planned jointly: stages of balanced time, the fewest stages whose
         bottleneck stays within ``upper_threshold`` of the best reachable, at

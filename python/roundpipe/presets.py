@@ -23,6 +23,7 @@ Hugging Face's (``LlamaForCausalLM`` / ``Qwen3ForCausalLM``, eager attention).
 """
 import json
 import os
+from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ from . import safetensors as _safetensors
 DecoderConfig = _C.DecoderConfig
 
 
-def config_from_hf(config):
+def config_from_hf(config: Union[Mapping[str, Any], str]) -> "_C.DecoderConfig":
     """A :class:`DecoderConfig` from a Hugging Face ``config.json``: a dict or
     its JSON text. Fields take Hugging Face's defaults; bad values raise
     ValueError naming the field."""
@@ -44,7 +45,7 @@ def config_from_hf(config):
     return _C.decoder_config_from_json(config)
 
 
-def load_config(path):
+def load_config(path: Union[str, "os.PathLike[str]"]) -> "_C.DecoderConfig":
     """Reads a Hugging Face ``config.json`` (or the directory holding one)."""
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -57,12 +58,12 @@ def load_config(path):
     return config_from_hf(text)
 
 
-def tiny_llama_config():
+def tiny_llama_config() -> "_C.DecoderConfig":
     """Byte vocabulary (256), hidden 128, 4 layers, 4 heads / 2 kv heads, untied."""
     return _C.tiny_llama_config()
 
 
-def tiny_qwen3_config():
+def tiny_qwen3_config() -> "_C.DecoderConfig":
     """As tiny_llama_config, with Qwen3's q/k norms and a tied head."""
     return _C.tiny_qwen3_config()
 
@@ -81,7 +82,7 @@ class _NativeChild(nn.Module):
 class NativeLayer(nn.Module):
     """One C++ layer of a preset, as an ``nn.Module`` (see the module doc)."""
 
-    def __init__(self, native):
+    def __init__(self, native: Any) -> None:
         super().__init__()
         object.__setattr__(self, "_roundpipe_native", native)
         self._mirror()
@@ -114,16 +115,16 @@ class NativeLayer(nn.Module):
     def _get_name(self):
         return self._roundpipe_native.type_name()
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> "NativeLayer":
         super().train(mode)
         self._roundpipe_native.train(mode)
         return self
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._roundpipe_native.forward(args, kwargs)
 
 
-def make_decoder(config):
+def make_decoder(config: "_C.DecoderConfig") -> nn.Sequential:
     """embedding | ``num_hidden_layers`` blocks | head as an ``nn.Sequential``
     of NativeLayers, initialized as Hugging Face does (tied head: the head's
     ``lm_head.weight`` is the embedding's tensor)."""
@@ -132,7 +133,8 @@ def make_decoder(config):
     return nn.Sequential(*[NativeLayer(layer) for layer in _C.decoder_layers(config)])
 
 
-def apply_lora(net, rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")):
+def apply_lora(net: nn.Sequential, rank: int = 8, alpha: float = 16.0,
+               target_modules: Union[str, Iterable[str]] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> int:
     """Adds LoRA adapters (PEFT's math: ``y = base(x) + alpha/rank * (x A^T) B^T``,
     A kaiming-uniform, B zero, so the model starts unchanged) to the named
     projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
@@ -153,19 +155,20 @@ def apply_lora(net, rank=8, alpha=16.0, target_modules=("q_proj", "k_proj", "v_p
     return count
 
 
-def lora_state_dict(net):
+def lora_state_dict(net: nn.Module) -> Dict[str, torch.Tensor]:
     """The adapter tensors of ``net`` by parameter name (e.g. to save them)."""
     return {name: p for name, p in net.named_parameters() if ".lora_" in name}
 
 
-def hf_parameter_names(config):
+def hf_parameter_names(config: "_C.DecoderConfig") -> List[Tuple[str, str]]:
     """``[(our name, Hugging Face name)]`` for each distinct parameter of
     ``make_decoder(config)`` (``"0.embed_tokens.weight"`` ->
     ``"model.embed_tokens.weight"``, ...)."""
     return _C.hf_parameter_names(config)
 
 
-def load_hf_weights(net, config, source):
+def load_hf_weights(net: nn.Module, config: "_C.DecoderConfig",
+                    source: Union[Mapping[str, torch.Tensor], str, "os.PathLike[str]"]) -> None:
     """Copies Hugging Face weights into ``net`` (made by make_decoder(config)).
     ``source``: a dict of tensors, a ``.safetensors`` file, a sharded index
     (``*.safetensors.index.json``) or a directory holding either. Every
@@ -194,7 +197,7 @@ def load_hf_weights(net, config, source):
             dst.copy_(src)
 
 
-def loss_fn(outputs, labels):
+def loss_fn(outputs: Any, labels: Any) -> torch.Tensor:
     """The loss function for forward_backward over a preset called with
     labels: the head already returns the loss."""
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 0:

@@ -1,4 +1,5 @@
 """RoundPipeRunConfig: per-model and per-call settings (docs/guide.md, "4. Run options")."""
+from typing import Any, Optional
 
 _FIELDS = ("num_microbatch", "recompute_grain", "output_device", "preserve_rng_state",
            "requires_grad", "split_input", "split_label", "merge_output", "execute_plan")
@@ -29,9 +30,10 @@ class RoundPipeRunConfig:
 
     __slots__ = _FIELDS
 
-    def __init__(self, num_microbatch=None, recompute_grain=None, output_device=None,
-                 preserve_rng_state=None, requires_grad=None, split_input=None, split_label=None,
-                 merge_output=None, execute_plan=None):
+    def __init__(self, num_microbatch: Optional[int] = None, recompute_grain: Optional[str] = None,
+                 output_device: Any = None, preserve_rng_state: Optional[bool] = None,
+                 requires_grad: Optional[bool] = None, split_input: Any = None, split_label: Any = None,
+                 merge_output: Any = None, execute_plan: Any = None) -> None:
         if num_microbatch is not None:
             if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
                 raise TypeError(f"num_microbatch must be an int, got {type(num_microbatch).__name__}")

@@ -9,6 +9,9 @@ per layer and action on stderr::
 
     Layer 3 fwd  new record: 1.234 ms  new estimate: 1.200 ms
 """
+import os
+from typing import Any, Dict, List, Optional, Union
+
 from . import _C
 from ._engines import engines_of
 
@@ -30,24 +33,24 @@ class ModelTimer(metaclass=_VerboseFlag):
 
     DECAY = 0.9
 
-    def __init__(self, model):
+    def __init__(self, model: Any) -> None:  # a RoundPipe (whose module imports this one)
         self._model = model
 
-    def estimate(self, layer, action):
+    def estimate(self, layer: int, action: str) -> Optional[float]:
         """The estimate in ms of ``action`` ("fwd", "re", "bwd") on ``layer``,
         or None before the first kept record."""
         return self._model._engine.timer_estimate(int(layer), action)
 
-    def num_records(self, layer, action):
+    def num_records(self, layer: int, action: str) -> int:
         """Records kept for ``action`` on ``layer`` (the first one is not)."""
         return self._model._engine.timer_records(int(layer), action)
 
-    def estimates(self):
+    def estimates(self) -> Dict[str, List[Optional[float]]]:
         """``{"fwd": [...], "re": [...], "bwd": [...]}`` with None where unknown."""
         n = len(self._model._layers)
         return {a: [self.estimate(i, a) for i in range(n)] for a in ("fwd", "re", "bwd")}
 
-    def reset(self):
+    def reset(self) -> None:
         """Forgets every record (the next one is discarded again)."""
         self._model._engine.timer_reset()
 
@@ -55,7 +58,7 @@ class ModelTimer(metaclass=_VerboseFlag):
         return f"ModelTimer({self._model.name!r}, {self.estimates()!r})"
 
 
-def save_timings(path, *models):
+def save_timings(path: Union[str, "os.PathLike[str]"], *models: Any) -> None:
     """Writes the models' per-layer costs as a timings file for roundpipe-sim
     (``roundpipe-sim --timings PATH``), atomically."""
     _C.save_timings(str(path), engines_of(models, "save_timings"))

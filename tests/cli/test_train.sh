@@ -69,7 +69,11 @@ bad "microbatches" --batch-size 2 --microbatches 3
 bad "max_position_embeddings" --seq-len 4096
 bad "checkpoint" --save-every 5
 bad "min-lr" --lr 1e-4 --min-lr 1e-3
-bad "ROUNDPIPE_DEVICES" --devices cpu:zero --steps 1
+# A bad --devices spec is named as the flag, not as the variable it sets.
+for spec in cpu:zero gpu:2; do
+  bad "--devices $spec" --devices "$spec" --steps 1
+  grep -q ROUNDPIPE_DEVICES "$tmp/bad.err" && { fail "--devices $spec: the error names ROUNDPIPE_DEVICES"; cat "$tmp/bad.err"; }
+done
 bad "bf16" --devices cpu:1 --dtype fp16 --steps 1
 bad "optimizer-state" --optimizer-state int8
 bad "not supported with --dtype fp16" --dtype fp16 --optimizer-state compact
@@ -84,25 +88,49 @@ for flag in --checkpoint --trace --metrics; do
   bad "does not exist" "$flag" "$tmp/no-such-dir/out" --steps 1
   bad "is a directory" "$flag" "$tmp" --steps 1
 done
+bad "does not exist" --save-hf "$tmp/no-such-dir/out" --steps 1
+bad "is not a directory" --save-hf "$tmp/train.log" --steps 1
 grep -q "steps" "$tmp/bad.out" && fail "the output-path errors came after the start-up summary"
 
-# 2b. A full disk (a file-size limit: writes fail with EFBIG): the saves
-# fail with a message and remove their temporary files; mid-run ones do not
-# stop training; the last one is the run's error; never a crash.
-mkdir -p "$tmp/full"
-(
-  trap '' XFSZ  # the write fails instead of the signal ending the process
-  ulimit -f 64  # 64 KiB: less than a checkpoint of the tiny Llama
-  exec "$bin" "${small[@]}" --steps 6 --save-every 2 --checkpoint "$tmp/full/run.ckpt"
-) >"$tmp/full.out" 2>"$tmp/full.err"
-rc=$?
-if [ "$rc" -ne 1 ]; then
-  fail "a full disk: exit $rc, expected 1"; cat "$tmp/full.out" "$tmp/full.err"
+# 2a. --quiet: the start-up summary and the result, no evaluation or
+# checkpoint lines.
+if "$bin" "${small[@]}" --steps 6 --eval-every 2 --save-every 3 --checkpoint "$tmp/q.ckpt" >"$tmp/q.log" 2>&1; then
+  grep -qE "^(eval at step|checkpoint of step|step [0-9])" "$tmp/q.log" && { fail "--quiet printed progress lines:"; cat "$tmp/q.log"; }
+  grep -q "^done: 6 steps.*eval loss" "$tmp/q.log" || { fail "--quiet: no result line"; cat "$tmp/q.log"; }
+else
+  fail "--quiet run exited non-zero"; cat "$tmp/q.log"
 fi
-grep -q "checkpoint of step 2 was not written.*File too large.*training goes on" "$tmp/full.out" ||
-  { fail "a full disk: no warning for the mid-run save"; cat "$tmp/full.out"; }
-grep -q "File too large" "$tmp/full.err" || { fail "a full disk: the last save's error is not reported"; cat "$tmp/full.err"; }
-[ -z "$(ls -A "$tmp/full")" ] || { fail "a full disk left files behind:"; ls -la "$tmp/full"; }
+
+# 2c. docs/train.md's sample output is what the default run prints: the
+# same start-up lines (the steps line aside: this run stops after step 2),
+# and progress, evaluation and summary lines of the same form.
+docs=$(cd "$(dirname "$0")/../.." && pwd)/docs/train.md
+if "$bin" --devices cpu:2 --stop-after 2 --log-every 1 >"$tmp/sample.log" 2>&1; then
+  python3 - "$docs" "$tmp/sample.log" <<'PY' || fail "docs/train.md's sample output differs from the command's (above)"
+import re, sys
+page, run = open(sys.argv[1]).read(), open(sys.argv[2]).read().splitlines()
+sample = re.search(r"```\n(roundpipe-train: .*?)```", page, re.S).group(1).splitlines()
+header = [l for l in sample if not re.match(r"(step |eval |done:|\.\.\.|  peak memory|  final plan)", l)]
+ours = run[:len(header)]
+steps = "  steps    1 to 250 of 250; eval every 100 and at the end"
+assert ours[-1] == steps.replace("1 to 250", "1 to 2"), ours[-1]
+ours[-1] = steps
+for a, b in zip(header, ours):
+    assert a == b, f"the page says\n{a}\nthe command prints\n{b}"
+mem = r"( cpu:\d+ \d+(\.\d+)?[KMGB])+"
+forms = [r"step \d+/\d+  loss \d\.\d{4}  [\d.]+k? tok/s  ETA \w+  peak" + mem,
+         r"eval at step \d+: loss \d\.\d{4}",
+         r"done: \d+ steps in \w+ \([\d.]+k? tokens/s\); loss \d\.\d{4} at step 1 -> \d\.\d{4} "
+         r"\(mean of last \d+: \d\.\d{4}\); eval loss \d\.\d{4}",
+         r"  peak memory" + mem.replace(" cpu", "  cpu"), r"  final plan fwd \[.*\] bwd \[.*\]", r"\.\.\."]
+for name, lines in (("the page", sample[len(header):]), ("the command", run[len(header):])):
+    for line in lines:
+        assert any(re.fullmatch(f, line) for f in forms), f"{name}: a line of no known form: {line!r}"
+print("docs/train.md's sample output has the command's start-up lines and line forms")
+PY
+else
+  fail "the default run of two steps exited non-zero"; cat "$tmp/sample.log"
+fi
 
 # 3. Hugging Face weights and token files: a safetensors file with the tiny
 # Llama's tensors (plus one the model does not use) and uint16 token files.
@@ -158,6 +186,63 @@ else
 fi
 bad "excludes" --hf-model "$tmp/hf" --preset qwen3
 bad "no config.json" --hf-model "$tmp" --steps 1
+
+# 3b. --save-hf: transformers loads the trained model (sharded past
+# --save-hf-shard-mb) with the run's weights, and PEFT the LoRA adapter: their
+# evaluation loss on --eval-data equals the run's.
+py=${ROUNDPIPE_TEST_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/.venv/bin/python}
+hf_check() {  # hf_check DIR LOG MODE: MODE is full, lora or sharded
+  "$py" - "$1" "$tmp/val.bin" "$2" "$3" "$tmp/hf" <<'PY'
+import array, json, os, re, sys
+import torch, transformers, peft
+out, val, log, mode, source = sys.argv[1:6]
+expected = float(re.search(r"eval loss ([0-9.]+)", open(log).read()).group(1))
+tokens = array.array("H")
+tokens.frombytes(open(val, "rb").read())
+rows = torch.tensor([tokens[w * 32:w * 32 + 33].tolist() for w in range(8)])
+files = sorted(os.listdir(out))
+def loss_of(model):
+    with torch.no_grad():
+        logits = model(input_ids=rows[:, :32]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item()
+model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+models = {"from_pretrained": model}
+if mode == "sharded":
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1 and "model.safetensors" not in files, files
+else:
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files, files
+if mode == "lora":
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files), files
+    assert any("lora_" in name for name, _ in model.named_parameters()), "from_pretrained did not load the adapter"
+    models["AutoPeftModelForCausalLM"] = peft.AutoPeftModelForCausalLM.from_pretrained(out)
+    models["PeftModel over --hf-model"] = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(source), out)
+else:
+    assert "adapter_config.json" not in files, files
+if mode != "full":  # trained from --hf-model: the loss is not the untrained model's
+    untrained = loss_of(transformers.AutoModelForCausalLM.from_pretrained(source))
+    assert abs(untrained - expected) > 1e-3, f"the untrained model's loss {untrained:.6f} is the run's"
+for how, m in models.items():
+    got = loss_of(m)
+    assert abs(got - expected) < 1e-4, f"{how}: eval loss {got:.6f}, the run printed {expected:.4f}"
+print(f"--save-hf {mode}: {len(models)} loader(s) give the run's eval loss {expected:.4f}")
+PY
+}
+if "$py" -c "import transformers, peft" 2>/dev/null; then
+  save=("${small[@]}" --steps 6 --data "$tmp/train.bin" --eval-data "$tmp/val.bin" --eval-batches 1)
+  "$bin" "${save[@]}" --hf-model "$tmp/hf" --save-hf "$tmp/out" --save-hf-shard-mb 1 >"$tmp/s1.log" 2>&1 &&
+    grep -q "Hugging Face model written to $tmp/out" "$tmp/s1.log" &&
+    hf_check "$tmp/out" "$tmp/s1.log" sharded || { fail "--save-hf, sharded"; cat "$tmp/s1.log"; }
+  # Written again into the same directory, unsharded: the shards go.
+  "$bin" "${save[@]}" --preset qwen3 --save-hf "$tmp/out" >"$tmp/s2.log" 2>&1 &&
+    hf_check "$tmp/out" "$tmp/s2.log" full || { fail "--save-hf of the qwen3 preset"; cat "$tmp/s2.log"; }
+  "$bin" "${save[@]}" --hf-model "$tmp/hf" --lora-rank 4 --lr 3e-2 --save-hf "$tmp/lora" >"$tmp/s3.log" 2>&1 &&
+    hf_check "$tmp/lora" "$tmp/s3.log" lora || { fail "--save-hf with LoRA"; cat "$tmp/s3.log"; }
+else
+  echo "skipped the --save-hf loading checks: $py cannot import transformers and peft"
+fi
 
 # 4. Checkpoint and resume: steps 11..20 after resuming at 10 equal the
 # uninterrupted run's, bit for bit.

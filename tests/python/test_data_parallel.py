@@ -207,3 +207,15 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         group.all_reduce_sum(torch.ones(4, 4).t(), "x")
     del first
+
+
+def test_the_example_runs_in_two_processes(tmp_path):
+    """examples/data_parallel.py --nproc 2 --steps 2: the processes get
+    `--steps 2` (the count of --nproc is not taken out of other flags)."""
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "data_parallel.py")
+    env = dict(os.environ, ROUNDPIPE_DEVICES="cpu:1", MASTER_PORT=str(next(_ports)))
+    run = subprocess.run([sys.executable, example, "--nproc", "2", "--steps", "2", "--batch", "8",
+                          "--checkpoint", str(tmp_path / "dp.ckpt")],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "dp.ckpt").exists()

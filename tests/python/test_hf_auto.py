@@ -250,3 +250,65 @@ def test_a_replicated_keyword_is_not_split_when_the_positional_inputs_are_packed
                                          loss_fn=lambda out, _: out.square().sum(), return_outputs=True)
     assert_close(merged, ref_out.detach(), what="AutoRoundPipe output")
     assert_close(loss, ref_out.square().sum().detach(), what="AutoRoundPipe loss")
+
+
+# ---- a batch smaller than the microbatch count; generation after wrapping ---
+
+def test_a_small_batch_is_warned_once_per_model_in_python(capfd):
+    """Batch 2, default 3 microbatches (cpu:2): one Python warning per model,
+    however many calls and parts, and nothing from the engine on stderr (the
+    parts of an AutoRoundPipe do not split their microbatch again)."""
+    x, y = torch.randn(2, 16), torch.randn(2, 2)
+    loss_fn = lambda out, t: nn.functional.mse_loss(out, t)  # noqa: E731
+    models = [AutoRoundPipe(Nested(), lower_threshold=1, upper_threshold=5000),
+              RoundPipe(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)))]
+    for model in models:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                model.forward_backward((x,), label=y, loss_fn=loss_fn)
+                with torch.no_grad():
+                    model(x)
+        said = [w for w in caught if "larger than the batch size" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in said]
+        assert "num_microbatch 3 is larger than the batch size 2; using 2" in str(said[0].message)
+        assert said[0].filename == __file__  # points at the caller's line
+    assert "larger than the batch size" not in capfd.readouterr().err
+
+
+def tiny_causal_lm(kind):
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+    config = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[kind](**common)
+    torch.manual_seed(5)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@pytest.mark.parametrize("kind,preset", [("mistral", None), ("llama", None), ("llama", False)])
+def test_generate_and_cached_calls_work_for_batches_after_wrapping(kind, preset):
+    """The loaded model's generate (batch 3) after wrapping equals the
+    unwrapped model's, on the preset and the split path; so does the
+    wrapper's own call with the config's use_cache=True on the split path."""
+    hf = tiny_causal_lm(kind)
+    ref = copy.deepcopy(hf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = wrap_model_to_roundpipe(hf, use_sequential_preset=preset, lower_threshold=1000)
+    ids = torch.randint(1, 64, (3, 6), generator=torch.Generator().manual_seed(6))
+    expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(hf.generate(ids, max_new_tokens=4, do_sample=False), expected)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+    if isinstance(model, AutoRoundPipe):
+        assert len(model.parts()) >= 2 and hf.config.use_cache
+        with torch.no_grad():
+            assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+        # Trained through the wrapper, the loaded model generates with the new weights.
+        with OptimizerCtx():
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.step(lambda: (opt.step(), opt.zero_grad()))
+        assert not torch.equal(hf.model.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
+        with torch.no_grad():
+            assert_close(hf(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)

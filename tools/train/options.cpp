@@ -54,6 +54,25 @@ void check_output_path(const std::string& flag, const std::string& path) {
   ::unlink(probe.c_str());
 }
 
+// A directory this run will write into (--save-hf): an existing directory
+// that takes a new file, or a new one whose parent exists.
+void check_output_dir(const std::string& flag, const std::string& path) {
+  auto fail = [&](const std::string& what) { throw InputError(flag + " " + path + ": " + what); };
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) fail("is not a directory; give a directory to write the model into");
+    const std::string probe = path + "/.roundpipe-train-probe." + std::to_string(::getpid());
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) fail(std::string("cannot create a file in it: ") + std::strerror(errno));
+    ::close(fd);
+    ::unlink(probe.c_str());
+    return;
+  }
+  std::string trimmed = path;
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  check_output_path(flag, trimmed);  // its parent exists and takes a new entry
+}
+
 }  // namespace
 
 void add_options(CLI::App& app, TrainOptions& o) {
@@ -178,9 +197,18 @@ void add_options(CLI::App& app, TrainOptions& o) {
   app.add_option("--trace", o.trace, "write a Chrome trace (Perfetto) of the run to this file");
   app.add_option("--metrics", o.metrics,
                  "write one JSON object per step and evaluation (JSON Lines)");
+  app.add_option("--save-hf", o.save_hf,
+                 "at the end, write the model into this directory as transformers' "
+                 "save_pretrained does (config.json, safetensors; with --lora-rank also the PEFT "
+                 "adapter)");
+  app.add_option("--save-hf-shard-mb", o.save_hf_shard_mb,
+                 "--save-hf: the largest safetensors file in MB (10^6 bytes); a larger model is "
+                 "sharded")
+      ->check(integer_in(1, kMaxCount))
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the model's initialization and random streams")
       ->capture_default_str();
-  app.add_flag("--quiet,-q", o.quiet, "print only the start-up summary and the result");
+  app.add_flag("--quiet,-q", o.quiet, "print only the start-up summary, warnings and the result");
   app.add_option("--log-every", o.log_every,
                  "progress line every N steps when stdout is not a terminal")
       ->check(positive)
@@ -242,6 +270,7 @@ void validate(TrainOptions& o) {
   if (!o.checkpoint.empty()) check_output_path("--checkpoint", checkpoint_path(o.checkpoint, 0));
   if (!o.trace.empty()) check_output_path("--trace", o.trace);
   if (!o.metrics.empty()) check_output_path("--metrics", o.metrics);
+  if (!o.save_hf.empty()) check_output_dir("--save-hf", o.save_hf);
   if (!std::isfinite(o.lr) || !std::isfinite(o.min_lr) || !std::isfinite(o.weight_decay) ||
       !std::isfinite(o.clip_grad_norm)) {
     fail("learning rates, weight decay and the clipping norm must be finite");

@@ -60,6 +60,8 @@ struct TrainOptions {
   std::string lora_targets = "q_proj,v_proj";
   std::string trace;
   std::string metrics;
+  std::string save_hf;              // a Hugging Face model directory written at the end
+  int64_t save_hf_shard_mb = 50000;  // shard size limit (transformers' default 50GB)
   uint64_t seed = 0;
   bool quiet = false;
   int64_t log_every = 10;  // progress lines when stdout is not a terminal
@@ -68,8 +70,8 @@ struct TrainOptions {
 // Registers every flag of `o` on `app` (with CLI11 range/enum checks).
 void add_options(CLI::App& app, TrainOptions& o);
 // Checks across flags, and that every output path (--checkpoint, --trace,
-// --metrics) can be written; resolves defaults that depend on other flags;
-// throws InputError saying what to change.
+// --metrics, --save-hf) can be written; resolves defaults that depend on
+// other flags; throws InputError saying what to change.
 void validate(TrainOptions& o);
 // The --checkpoint file of `step` ("{step}" in `pattern` replaced by it).
 std::string checkpoint_path(const std::string& pattern, int64_t step);

@@ -34,8 +34,14 @@ class Progress {
   bool in_place() const { return in_place_; }
   void update(const ProgressLine& line);
   // Prints a message on its own line (clearing an in-place line first); the
-  // progress line comes back at the next update(). Shown even when quiet.
+  // progress line comes back at the next update(). Shown even when quiet
+  // (warnings and results).
   void message(const std::string& text);
+  // As message(), but not when quiet: what the run is doing (evaluations,
+  // checkpoints written).
+  void note(const std::string& text) {
+    if (!quiet_) message(text);
+  }
   // Ends an in-place line with a newline.
   void finish();
 

@@ -218,7 +218,7 @@ class RoundPipeTrainerMixin:
     scheduler) is raised by ``train()``, at the latest when training ends.
     """
 
-    def __init__(self, *args, roundpipe_config=None, **kwargs):
+    def __init__(self, *args: Any, roundpipe_config: Optional[RoundPipeConfig] = None, **kwargs: Any) -> None:
         if roundpipe_config is None:
             roundpipe_config = RoundPipeConfig()
         if not isinstance(roundpipe_config, RoundPipeConfig):
@@ -249,7 +249,7 @@ class RoundPipeTrainerMixin:
     # ---- the wrapped model -------------------------------------------------
 
     @property
-    def roundpipe_model(self):
+    def roundpipe_model(self) -> Any:
         """The model wrapped with ``wrap_model_to_roundpipe`` (made on first use)."""
         if self._roundpipe is None:
             config = self._roundpipe_config
@@ -283,7 +283,7 @@ class RoundPipeTrainerMixin:
 
     # ---- optimizer and scheduler -------------------------------------------
 
-    def create_optimizer(self, model=None):
+    def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         roundpipe_model = self.roundpipe_model
         if self.optimizer is None:
             compact = self._roundpipe_config.optimizer_state == "compact"
@@ -314,7 +314,7 @@ class RoundPipeTrainerMixin:
                                  "roundpipe.OptimizerCtx():`); or pass `optimizer_cls_and_kwargs` instead")
         return self.optimizer
 
-    def create_scheduler(self, num_training_steps, optimizer=None):
+    def create_scheduler(self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
         if isinstance(self.lr_scheduler, _SchedulerOnStepThread):
             self.lr_scheduler = self.lr_scheduler.scheduler
         super().create_scheduler(num_training_steps, optimizer)
@@ -335,7 +335,8 @@ class RoundPipeTrainerMixin:
 
     # ---- one optimizer step ------------------------------------------------
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: torch.nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
         roundpipe_model = self.roundpipe_model
         if not roundpipe_model.training:
             roundpipe_model.train()
@@ -541,7 +542,7 @@ def _sft_trainer_class():
 
         _roundpipe_known_compute_loss = (trl.SFTTrainer.compute_loss,)
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if self.args.loss_type != "nll":
                 raise ValueError(f"RoundPipeSFTTrainer: `loss_type={self.args.loss_type!r}` cannot be used with "

@@ -16,7 +16,7 @@ written for the reference implementation import.
 eagerly: compiling for the CPU needs a C++ toolchain and buys little here).
 """
 import os
-from typing import Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ def _divided(loss_sum, labels, num_items_in_batch, ignore_index):
 
 def CompileForCausalLMLoss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                            num_items_in_batch: Union[torch.Tensor, int, None] = None, ignore_index: int = -100,
-                           shift_labels: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+                           shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
     """Hugging Face's causal-LM loss (``transformers``' ``ForCausalLMLoss``), in fp32."""
     targets = _shifted(labels, shift_labels, ignore_index).to(logits.device)
     loss_sum = CompileCrossEntropy(logits.reshape(-1, vocab_size), targets, ignore_index)
@@ -92,7 +92,9 @@ class ChunkedCompileLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_states, weight, bias, labels, ignore_index=-100, _requires_grad=None):
+    def forward(ctx: Any, hidden_states: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                bias: Optional[torch.Tensor], labels: torch.Tensor, ignore_index: int = -100,
+                _requires_grad: Any = None) -> torch.Tensor:
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(hidden_states, weight, bias, labels)
         total = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
@@ -101,7 +103,7 @@ class ChunkedCompileLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         hidden_states, weight, bias, labels = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_states) if want_h else None
@@ -129,7 +131,7 @@ class ChunkedCompileLinearCrossEntropy(torch.autograd.Function):
 def ChunkedCompileLinearForCausalLMLoss(hidden_states: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor,
                                         num_items_in_batch: Union[torch.Tensor, int, None] = None,
                                         ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
-                                        **kwargs) -> torch.Tensor:
+                                        **kwargs: Any) -> torch.Tensor:
     """``CompileForCausalLMLoss`` of ``lm_head(hidden_states)``, without the full logits."""
     hidden = hidden_states.reshape(-1, hidden_states.size(-1))
     targets = _shifted(labels, shift_labels, ignore_index).to(hidden.device)
