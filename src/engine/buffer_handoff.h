@@ -1,8 +1,10 @@
 // The buffers one call's forward left, layer by layer, for the calls issued
 // while it is still running (iteration overlap; docs/guide.md,
-// "3. A training loop"): a buffer is ordered like a parameter, so the next
-// call uploads what the previous call's forward wrote, not the host buffers
-// that call will write back only when it is applied.
+// "3. A training loop"): a buffer the forward wrote is ordered like a
+// parameter, so the next call uploads what that forward wrote, not the host
+// buffers that call will write back only when it is applied; a buffer it did
+// not write is the host tensor it was uploaded from, which nothing waits for
+// (docs/design/engine.md, "Iteration overlap").
 //
 // Thread-safety: publish() and fail() on the producing call's device
 // workers (fail() also on the user thread), wait() on the consuming calls'
@@ -28,7 +30,8 @@ class BufferHandoff {
   int64_t call_id() const { return call_id_; }
 
   // Layer `layer`'s buffers (host memory) as the producing call's forward
-  // left them, valid once `downloaded` completes (null: now).
+  // left them, valid once `downloaded` completes (null: now): the downloads
+  // of those it wrote, the tensors it uploaded the others from.
   void publish(int64_t layer, std::vector<at::Tensor> values, FencePtr downloaded);
   // The producing call failed: waiting for a layer it has not published
   // throws instead of blocking.

@@ -73,6 +73,9 @@ struct ModelView {
 struct StageTensors {
   std::vector<std::vector<at::Tensor>> params;   // [layer in stage][param]
   std::vector<std::vector<at::Tensor>> buffers;  // [layer in stage][buffer]
+  // [layer in stage][buffer]: the host tensors the buffers were uploaded
+  // from (the host buffers, or what an earlier call published), complete.
+  std::vector<std::vector<at::Tensor>> buffer_sources;
   FencePtr uploaded;                             // the upload is complete after this (null: nothing uploaded)
   bool holds_slot = false;                       // took one of its device's stage slots
   int64_t bytes = 0;                             // uploaded

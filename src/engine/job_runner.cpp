@@ -7,6 +7,7 @@
 
 #include <torch/csrc/autograd/autograd.h>
 
+#include "engine/buffer_watch.h"
 #include "engine/host_store.h"
 #include "engine/model_use.h"
 #include "engine/rng.h"
@@ -77,6 +78,7 @@ class JobRunner {
       (*c_.model.layers)[l]->unbind(dev_.index());
     }
     leaves_.clear();
+    watches_.clear();
     own_stage_ = StageTensors();
     if (c_.prefetched[j_].holds_slot) holds_slot_ = true;
     c_.prefetched[j_] = StageTensors();
@@ -180,14 +182,23 @@ class JobRunner {
       c_.prefetched[j_] = StageTensors();
       holds_slot_ = true;
     }
+    dev_.compute_wait(own_stage_.uploaded);
+    // A forward's buffers are watched for writes: only written ones are
+    // downloaded (download_buffers). A backward stage's recomputation
+    // keeps none of its writes.
+    const bool watch = job_.kind != JobKind::kBackward;
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
       cursor.layer = l;
       const size_t i = static_cast<size_t>(l - job_.layers.begin);
-      leaves_.push_back(layer(l)->bind(dev_.index(), own_stage_.params[i], own_stage_.buffers[i]));
+      std::vector<at::Tensor>& buffers = own_stage_.buffers[i];
+      if (watch) {
+        watches_.emplace_back();
+        if (!buffers.empty()) buffers = watches_.back().watch(buffers);
+      }
+      leaves_.push_back(layer(l)->bind(dev_.index(), own_stage_.params[i], buffers));
       bound_until_ = l + 1;
     }
     cursor.layer = -1;
-    dev_.compute_wait(own_stage_.uploaded);
   }
 
   // Microbatch m's inputs on this device (the upload lane's part; compute
@@ -429,19 +440,39 @@ class JobRunner {
     add_span(TraceLane::kDownload, Lane::kDownload, "download", "grads", j_, -1, bytes, start);
   }
 
-  // Buffers updated by this stage's forward persist (recomputation's do not).
+  // Buffers written by this stage's forward persist (recomputation's do
+  // not): they are downloaded. A buffer no run wrote keeps the host tensor
+  // it was uploaded from, so nothing downloads it or waits for it.
   void download_buffers() {
-    MarkPtr start = download_mark();
+    MarkPtr start;
     int64_t bytes = 0;
     for (int64_t l = job_.layers.begin; l < job_.layers.end; ++l) {
+      cursor.layer = l;
+      const size_t i = static_cast<size_t>(l - job_.layers.begin);
       std::vector<at::Tensor> bufs = layer(l)->bound_buffers(dev_.index());
       if (bufs.empty()) continue;
-      for (const auto& b : bufs) {
-        if (b.defined()) bytes += static_cast<int64_t>(b.nbytes());
+      const std::vector<char> written = watches_.at(i).written(bufs);
+      std::vector<at::Tensor> values = own_stage_.buffer_sources.at(i);
+      std::vector<at::Tensor> changed;
+      for (size_t b = 0; b < bufs.size(); ++b) {
+        if (!written[b]) continue;
+        changed.push_back(bufs[b]);
+        if (bufs[b].defined()) bytes += static_cast<int64_t>(bufs[b].nbytes());
       }
-      c_.buffers[j_].emplace_back(l, dev_.download(bufs));  // complete at the job's fences
-      if (c_.buffer_out) c_.buffer_out->publish(l, c_.buffers[j_].back().second, dev_.lane_fence(Lane::kDownload));
+      FencePtr downloaded;
+      if (!changed.empty()) {
+        if (!start) start = download_mark();
+        std::vector<at::Tensor> host = dev_.download(changed);  // complete at the job's fences
+        downloaded = dev_.lane_fence(Lane::kDownload);
+        size_t next = 0;
+        for (size_t b = 0; b < bufs.size(); ++b) {
+          if (written[b]) values[b] = std::move(host[next++]);
+        }
+      }
+      c_.buffers[j_].emplace_back(l, values);
+      if (c_.buffer_out) c_.buffer_out->publish(l, std::move(values), std::move(downloaded));
     }
+    cursor.layer = -1;
     if (bytes > 0) add_span(TraceLane::kDownload, Lane::kDownload, "download", "buffers", j_, -1, bytes, start);
   }
 
@@ -456,6 +487,7 @@ class JobRunner {
   int64_t bound_until_ = 0;
   bool holds_slot_ = false;          // this job's stage slot is taken
   std::vector<std::vector<at::Tensor>> leaves_;  // [layer in stage][param]
+  std::vector<BufferWatch> watches_;             // [layer in stage]: forward and fused jobs
   // The microbatch in flight between its upload, compute and hand-off.
   Slot in_;                   // its input slot as taken
   Slot saved_in_;             // a backward job's saved stage input slot

@@ -262,7 +262,8 @@ void Pipeline::add_to_trace(const Call& call) {
 
 // The host buffers <- what `call`'s forward left, unless a later call's are
 // there already (a call a step finished is applied after the calls the user
-// thread finished since).
+// thread finished since). A buffer no call wrote since the host buffers were
+// written is the host buffer itself: nothing to copy.
 void Pipeline::commit_buffers(const Call& call) {
   const int64_t id = call.record ? call.record->call_id : -1;
   bool any = false;
@@ -272,7 +273,9 @@ void Pipeline::commit_buffers(const Call& call) {
     for (const auto& [l, values] : job_buffers) {
       NamedTensors host = layers_[l]->named_buffers();
       for (size_t i = 0; i < values.size(); ++i) {
-        if (values[i].defined()) host[i].second.detach().copy_(values[i]);
+        if (values[i].defined() && !values[i].is_same(host[i].second)) {
+          host[i].second.detach().copy_(values[i]);
+        }
       }
     }
   }

@@ -14,9 +14,10 @@
 //
 // A forward_backward stays in flight until whatever reads its effects needs
 // them (the next call, step, synchronize, state_dict, checkpoints). Buffers
-// are ordered like parameters: a call issued while an earlier one is in
-// flight uploads the buffers that call's forward left (BufferHandoff), and
-// the host buffers take them when that call is applied.
+// a forward writes are ordered like parameters: a call issued while an
+// earlier one is in flight uploads the buffers that call's forward left
+// (BufferHandoff: its downloads of what it wrote, the host tensors it read
+// for the rest), and the host buffers take them when that call is applied.
 //
 // Thread-safety: the model's user thread only. A call taken by a step
 // (take_in_flight) belongs to the optimizer thread until it hands it back

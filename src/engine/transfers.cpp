@@ -97,22 +97,26 @@ StageTensors upload_stage(Device& dev, const ModelView& model, LayerRange range,
   }
   const size_t first_buffer = host.size();
   std::vector<FencePtr> buffers_downloaded;
+  StageTensors st;
   for (int64_t l = range.begin; l < range.end; ++l) {
+    const size_t layer_begin = host.size();
     if (!model.buffer_source || layers[l]->named_buffers().empty()) {
       for (const auto& [name, b] : layers[l]->named_buffers()) host.push_back(b);
-      continue;
+    } else {
+      // An earlier call still running left them: the values its forward
+      // published, on the host once its download (of the buffers it wrote,
+      // if any) completes. Blocks until it published them.
+      BufferHandoff::Published earlier = model.buffer_source->wait(l);
+      const NamedTensors masters = layers[l]->named_buffers();
+      TORCH_INTERNAL_ASSERT(earlier.values.size() == masters.size());
+      for (size_t i = 0; i < masters.size(); ++i) {
+        // undefined: left as it was
+        host.push_back(earlier.values[i].defined() ? earlier.values[i] : masters[i].second);
+      }
+      if (earlier.downloaded) buffers_downloaded.push_back(std::move(earlier.downloaded));
     }
-    // An earlier call still running wrote them: its forward's values, on
-    // the host once its download completes (blocks until it issued it).
-    BufferHandoff::Published earlier = model.buffer_source->wait(l);
-    const NamedTensors masters = layers[l]->named_buffers();
-    TORCH_INTERNAL_ASSERT(earlier.values.size() == masters.size());
-    for (size_t i = 0; i < masters.size(); ++i) {
-      host.push_back(earlier.values[i].defined() ? earlier.values[i] : masters[i].second);  // undefined: left as it was
-    }
-    if (earlier.downloaded) buffers_downloaded.push_back(std::move(earlier.downloaded));
+    st.buffer_sources.emplace_back(host.begin() + layer_begin, host.end());
   }
-  StageTensors st;
   std::vector<at::Tensor> moved;
   if (!host.empty()) {
     for (const at::Tensor& t : host) {

@@ -4,6 +4,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/COW.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
@@ -28,6 +29,21 @@
 
 namespace roundpipe {
 namespace {
+
+// Tells the caching allocator that `stream` uses `t`'s memory, so it is not
+// reused before the stream's work on it. CUDA's records streams only on a
+// DataPtr it made, not on a copy-on-write one (a layer's buffer watched for
+// writes, docs/design/engine.md "Iteration overlap"): such a storage first
+// becomes an ordinary one. It is the watched tensor's only owner, so that
+// takes its memory over without a copy.
+void record_on(const c10::impl::DeviceGuardImplInterface* impl, const at::Tensor& t,
+               const c10::Stream& stream) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (c10::impl::cow::is_cow_data_ptr(storage->data_ptr())) {
+    c10::impl::cow::materialize_cow_storage(*storage);
+  }
+  impl->recordDataPtrOnStream(storage->data_ptr(), stream);
+}
 
 // Events are reused: creating and destroying one per copy (or two per
 // layer computation, for its time) costs more than the copy of a small
@@ -281,7 +297,7 @@ class AcceleratorDevice final : public Device {
       sources[i] = host[i].detach();  // its own handle: the caller may set_data on its tensor
       // A caller's input on an accelerator, read here on `stream`: its
       // memory must outlive this copy however soon the caller frees it.
-      if (host[i].device().type() == device_.type()) impl->recordDataPtrOnStream(host[i].storage().data_ptr(), stream);
+      if (host[i].device().type() == device_.type()) record_on(impl, host[i], stream);
     }
     dirty_[static_cast<int>(lane)] = true;
     if (lane == Lane::kParamUpload) {
@@ -304,7 +320,7 @@ class AcceleratorDevice final : public Device {
     const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
     // Recorded first: a copy issued before a later one fails still reads them.
     for (const at::Tensor& t : device_tensors) {
-      if (t.defined() && t.layout() == at::kStrided) impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+      if (t.defined() && t.layout() == at::kStrided) record_on(impl, t, stream);
     }
     // A tensor on another accelerator is brought here first: copied on its
     // own device's stream, a download would complete outside this lane's
@@ -313,7 +329,7 @@ class AcceleratorDevice final : public Device {
     for (at::Tensor& t : sources) {
       if (t.defined() && t.device().type() == device_.type() && t.device() != device_) {
         t = t.to(device_);
-        impl->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+        record_on(impl, t, stream);
       }
     }
     DownloadBatch batch = plan_download(sources, [](int64_t bytes) { return page_locked_pool().take(bytes); });
