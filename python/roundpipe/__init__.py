@@ -31,7 +31,7 @@ from . import _C  # noqa: E402
 from . import data, distributed, microbatch, optim, presets, safetensors, timer, trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
-from .auto import AutoRoundPipe
+from .auto import AutoRoundPipe, WrapPathWarning
 from .auto import wrap_model_to_roundpipe
 from .grad_scaler import GradScaler  # noqa: F401
 from .optimizer_ctx import OptimizerCtx
@@ -58,7 +58,7 @@ def set_sync_warmup_steps(n: int) -> None:
 
 
 __all__ = [
-    "RoundPipe", "AutoRoundPipe", "wrap_model_to_roundpipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
+    "RoundPipe", "AutoRoundPipe", "WrapPathWarning", "wrap_model_to_roundpipe", "RoundPipeRunConfig", "ModelExecutePlan", "OptimizerCtx", "GradScaler",
     "save_for_recompute", "doing_recompute", "get_recompute_data", "get_num_devices",
     "set_sync_warmup_steps", "save_checkpoint", "load_checkpoint",
     "data", "distributed", "microbatch", "optim", "presets", "safetensors", "timer", "trace",

@@ -21,11 +21,15 @@ runs transformers' code on the CPU, with the same weights). An
 :class:`AutoRoundPipe` has
 RoundPipe's calls (``forward``, ``forward_backward`` with the microbatch loop
 of ``RoundPipe.forward_backward`` and RoundPipe's split and merge, ``step``,
-``synchronize``, ``optim_parameters``, ...). Its steps are synchronous: the
-parts are separate pipelines, so the optimizer runs on the calling thread
-once every part has handed over its gradients.
+``synchronize``, ``optim_parameters``, ``set_original_model``, attribute
+fall-through to the model). Its asynchronous steps have RoundPipe's one-step
+delay: one ``step_fn`` runs on the first part's optimizer thread once every
+part has handed over its gradients, and each part takes the new values when
+it has run. A model with trainable parameters between the parts steps
+synchronously (once warned): those train in place on the calling thread.
 """
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -36,8 +40,10 @@ from torch import nn
 from . import _C
 from ._model import (RoundPipe, _as_loss, _caller_name, check_grad_mode, check_is_async, load_into_matching,
                      warn_small_batch)
+from .grad_scaler import _check_no_torch_scaler
 from .microbatch import _merge_auto, _split_auto
-from .hf import _FAMILIES, merge_hf_outputs, preset_layers
+from .hf import _FAMILIES, _base_model, _family, merge_hf_outputs, preset_layers
+from .hf_generic import GenericDecoderUnsupported, generic_layers
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
 
@@ -175,7 +181,7 @@ class AutoRoundPipe(nn.Module):
     and ``model_run_config`` are the model's; the other keywords go to each
     part's RoundPipe (``optim_dtype``, ``pin_model``, ...)."""
 
-    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_warned_async",
+    _OWN = frozenset(("model", "name", "_parts", "_part_paths", "_run_config", "_original", "_warned_async",
                       "_warned_small_batch", "_routes", "_routing"))
 
     def __init__(self, model: nn.Module, lower_threshold: int = 16 * 1024, upper_threshold: Optional[int] = None,
@@ -199,7 +205,7 @@ class AutoRoundPipe(nn.Module):
         nn.Module.__init__(self)
         own = self.__dict__
         self._modules["model"] = model
-        own.update(name=name, _run_config=config, _warned_async=False, _part_paths=paths,
+        own.update(name=name, _run_config=config, _original=None, _warned_async=False, _part_paths=paths,
                    _routing=_Routing())
         parts, routes = [], []
         for path in paths:
@@ -277,23 +283,59 @@ class AutoRoundPipe(nn.Module):
         return _C.get_num_devices() + 1
 
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
-        """Every part hands its gradients to its optimizer copies, then
-        ``step_fn(*args, **kwargs)`` runs here, then every part takes the new
-        values. Synchronous: ``is_async=True`` is run as ``False`` (once
-        warned); later calls see the new parameters."""
+        """As ``RoundPipe.step``: every part hands its gradients to its
+        optimizer copies, ``step_fn(*args, **kwargs)`` runs once, then every
+        part takes the new values. ``is_async=False`` runs it here and waits;
+        ``is_async=True`` runs it on the first part's optimizer thread (the
+        other parts' optimizer threads wait for it) and returns at once, and
+        later calls see the parameters from before this step (one-step
+        delay)."""
         if not callable(step_fn):
             raise TypeError(f"step: step_fn must be callable, got {type(step_fn).__name__}")
         check_is_async(is_async)
-        if is_async and not self._warned_async:
-            warnings.warn("AutoRoundPipe.step runs synchronously: the parts of a model split by its module tree "
-                          "are separate pipelines, whose optimizer copies one step_fn updates together",
-                          stacklevel=2)
-            self.__dict__["_warned_async"] = True
-        for part in self._parts:
-            part.step(_noop, is_async=False)
-        step_fn(*args, **kwargs)
-        for part in self._parts:
-            part.step(_noop, is_async=False)  # no gradients left to hand over: writes the new values
+        fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
+        if is_async and self._trained_in_place():
+            if not self._warned_async:
+                warnings.warn("AutoRoundPipe.step runs synchronously: parameters between the parts (trained in "
+                              "place, on the calling thread) would change under the next call", stacklevel=2)
+                self.__dict__["_warned_async"] = True
+            is_async = False
+        if not is_async:
+            for part in self._parts:
+                part.step(_noop, is_async=False)
+            fn()
+            for part in self._parts:
+                part.step(_noop, is_async=False)  # no gradients left to hand over: writes the new values
+            return
+        _check_no_torch_scaler(fn)
+        # Each part's optimizer thread hands over its gradients, meets the
+        # others, and writes its values once the one step_fn has run.
+        handed = threading.Barrier(len(self._parts))
+        stepped = threading.Event()
+
+        def run_step():
+            try:
+                handed.wait()
+                fn()
+            finally:
+                stepped.set()
+
+        def wait_for_step():
+            handed.wait()
+            stepped.wait()
+
+        try:
+            for i, part in enumerate(self._parts):
+                part.step(run_step if i == 0 else wait_for_step, is_async=True)
+        except BaseException:
+            handed.abort()  # the parts already queued must not wait for the others
+            stepped.set()
+            raise
+
+    def _trained_in_place(self):
+        """Whether a trainable parameter lies between the parts."""
+        by_master = self._owner_of()
+        return any(p.requires_grad and id(p) not in by_master for p in nn.Module.parameters(self))
 
     def synchronize(self) -> None:
         for part in self._parts:
@@ -367,22 +409,51 @@ class AutoRoundPipe(nn.Module):
 
     # ---- attribute fall-through -------------------------------------------
 
+    def set_original_model(self, model: nn.Module) -> None:
+        """Attribute access falls through to ``model`` instead of the split one."""
+        self.__dict__["_original"] = model
+
+    def _target(self):
+        own = self.__dict__
+        return own["_original"] if own.get("_original") is not None else own["_modules"]["model"]
+
     def __getattr__(self, name):
         if "model" not in self.__dict__.get("_modules", ()):
             raise AttributeError(name)
         try:
             return nn.Module.__getattr__(self, name)
         except AttributeError:
-            return getattr(self.__dict__["_modules"]["model"], name)
+            return getattr(self._target(), name)
 
     def __setattr__(self, name, value):
         if name in AutoRoundPipe._OWN or name in self.__dict__ or hasattr(type(self), name):
             nn.Module.__setattr__(self, name, value)
         else:
-            setattr(self.model, name, value)
+            setattr(self._target(), name, value)
 
     def __repr__(self):
         return f"AutoRoundPipe(name={self.name!r}, parts={self._part_paths})"
+
+
+class WrapPathWarning(UserWarning):
+    """Which path ``wrap_model_to_roundpipe`` took for a model, and why."""
+
+
+def _choose_layers(model, use_sequential_preset):
+    """(layers or None, what was chosen and why)."""
+    name = type(model).__name__
+    if use_sequential_preset is False:
+        return None, "use_sequential_preset=False"
+    layers = preset_layers(model)
+    if layers is not None:
+        return layers, f"the {_family(model)} preset (the fused pipeline)"
+    try:
+        layers = generic_layers(model)
+    except GenericDecoderUnsupported as e:
+        if use_sequential_preset is True:
+            raise NotImplementedError(f"wrap_model_to_roundpipe: no preset for {name}: {e}") from None
+        return None, f"no preset: {e}"
+    return layers, "the generic decoder preset (the fused pipeline)"
 
 
 def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bool] = None,
@@ -394,7 +465,9 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
 
     - Hugging Face ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
       ``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``: the preset (module doc).
-      ``use_sequential_preset=False`` refuses the preset; ``True`` requires one.
+    - Any other Hugging Face decoder-only causal LM whose decoder blocks are
+      one ``nn.ModuleList``: the generic decoder preset (roundpipe.hf_generic).
+      ``use_sequential_preset=False`` refuses the presets; ``True`` requires one.
     - An ``nn.Sequential``: each child is a layer.
     - Anything else: its module tree split into pipelined parts of between
       ``lower_threshold`` and ``upper_threshold`` bytes of parameters
@@ -402,8 +475,9 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
       ``override_config`` maps a submodule to its part's run config. Returns
       ``AutoRoundPipe(model, ...)`` (roundpipe.auto).
 
-    ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``, ``name``,
-    ``model_run_config``, ``pin_model``, ``process_group``, ...).
+    A Hugging Face model gets one ``WrapPathWarning`` saying which of these
+    it got and why. ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``,
+    ``name``, ``model_run_config``, ``pin_model``, ``process_group``, ...).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model_to_roundpipe: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -412,7 +486,8 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
                         f"got {use_sequential_preset!r}")
     _check_split_arguments("wrap_model_to_roundpipe", model, lower_threshold, upper_threshold, override_config)
     roundpipe_kwargs.setdefault("name", _caller_name())
-    layers = preset_layers(model) if use_sequential_preset is not False else None
+    is_hf = hasattr(_base_model(model), "config") and not isinstance(model, nn.Sequential)
+    layers, why = _choose_layers(model, use_sequential_preset) if is_hf else (None, "")
     if layers is not None:
         config = roundpipe_kwargs.pop("model_run_config", None) or RoundPipeRunConfig()
         if not isinstance(config, RoundPipeRunConfig):
@@ -422,11 +497,17 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
             config = RoundPipeRunConfig(**{**fields, "merge_output": merge_hf_outputs})
         wrapped = RoundPipe(layers, model_run_config=config, **roundpipe_kwargs)
         wrapped.set_original_model(model)
+        warnings.warn(f"wrap_model_to_roundpipe: the {type(model).__name__} runs as {why}", WrapPathWarning,
+                      stacklevel=2)
         return wrapped
     if use_sequential_preset is True:
         raise NotImplementedError(f"wrap_model_to_roundpipe: no preset for {type(model).__name__}; presets: "
-                                  f"{', '.join(_FAMILIES)}")
+                                  f"{', '.join(_FAMILIES)} and decoder-only Hugging Face causal LMs")
     if isinstance(model, nn.Sequential):
         return RoundPipe(model, **roundpipe_kwargs)
-    return AutoRoundPipe(model, lower_threshold, upper_threshold, skip_modules, override_config,
-                         **roundpipe_kwargs)
+    wrapped = AutoRoundPipe(model, lower_threshold, upper_threshold, skip_modules, override_config,
+                            **roundpipe_kwargs)
+    if is_hf:
+        warnings.warn(f"wrap_model_to_roundpipe: the {type(model).__name__} runs as an AutoRoundPipe (parts "
+                      f"pipelined one after another, synchronous steps): {why}", WrapPathWarning, stacklevel=2)
+    return wrapped

@@ -85,20 +85,17 @@ def _outputs(kind):
 # ---------------------------------------------------------------------------
 # The layers of a preset.
 
-class HFEmbedding(nn.Module):
-    """Layer 0: token embedding and rotary position embeddings. Takes the
-    Hugging Face keywords; returns the state the blocks pass along."""
+class _EmbeddingBase(nn.Module):
+    """What every preset's embedding layer does with the Hugging Face
+    keywords: checks them, and starts the state the blocks pass along."""
 
-    def __init__(self, hf, family):
-        super().__init__()
-        self.embed_tokens = hf.model.embed_tokens
-        self.rotary_emb = hf.model.rotary_emb
-        self.family = family
+    def _init_call(self, hf, moe):
         self.router_logits_default = bool(getattr(hf.config, "output_router_logits", False))
+        self.moe = moe
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
-                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
+    def _start(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels,
+               num_items_in_batch, return_logits, output_router_logits, use_cache, cache, past_key_values,
+               logits_to_keep, return_dict, extra):
         if extra:
             raise TypeError(f"unexpected keyword argument(s) {sorted(extra)}; the Hugging Face presets take "
                             f"{', '.join(_KEYWORDS)}")
@@ -112,61 +109,62 @@ class HFEmbedding(nn.Module):
                              "objects")
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        cos, sin = self.rotary_emb(hidden, position_ids)
         if output_router_logits is None:
             output_router_logits = self.router_logits_default
         router = None
-        if output_router_logits and self.family in _MOE_FAMILIES:
+        if output_router_logits and self.moe:
             # Load-balancing sums over the blocks: tokens per expert, router
             # probability per expert, rows counted (transformers' formula).
             router = {"tokens": None, "probs": None, "rows": None}
         return {
-            "hidden_states": hidden, "attention_mask": attention_mask, "position_ids": position_ids,
-            "cos": cos, "sin": sin, "labels": labels, "shift_labels": shift_labels,
-            "num_items_in_batch": num_items_in_batch,
+            "hidden_states": None, "attention_mask": attention_mask, "position_ids": position_ids,
+            "labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch,
             "return_logits": return_logits, "logits_to_keep": logits_to_keep, "router": router,
         }
 
 
-class HFDecoderBlock(nn.Module):
-    """One decoder block of the loaded model, with its attention mask made
-    here from the 2-D padding mask (as the model's forward makes it)."""
+class HFEmbedding(_EmbeddingBase):
+    """Layer 0: token embedding and rotary position embeddings. Takes the
+    Hugging Face keywords; returns the state the blocks pass along."""
 
-    def __init__(self, hf, family, index):
+    def __init__(self, hf, family):
         super().__init__()
-        self.block = hf.model.layers[index]
-        self.config = hf.config
+        self.embed_tokens = hf.model.embed_tokens
+        self.rotary_emb = hf.model.rotary_emb
         self.family = family
-        self.index = index
-        config = hf.config
-        if family == "qwen3_moe":
-            self.sliding = getattr(config, "sliding_window", None) is not None
-        else:
-            types = getattr(config, "layer_types", None)
-            self.sliding = bool(types) and types[index] == "sliding_attention"
-        self.mask_takes_positions = family != "gpt_oss"
+        self._init_call(hf, family in _MOE_FAMILIES)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
+                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
+        state = self._start(input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels,
+                            num_items_in_batch, return_logits, output_router_logits, use_cache, cache,
+                            past_key_values, logits_to_keep, return_dict, extra)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        state["cos"], state["sin"] = self.rotary_emb(hidden, position_ids)
+        state["hidden_states"], state["position_ids"] = hidden, position_ids
+        return state
+
+
+class _RouterCapture(nn.Module):
+    """What a decoder block adds for the auxiliary load-balancing loss: the
+    router logits its router modules return, accumulated block by block."""
+
+    def _init_router(self, hf):
         self.router_names = []
-        if family in _MOE_FAMILIES:
-            recorder = type(hf)._can_record_outputs["router_logits"]
-            self.router_index = recorder.index or 0
-            self.router_names = [name for name, m in self.block.named_modules()
-                                 if isinstance(m, recorder.target_class)]
-            self.num_experts = hf.num_experts
-            self.top_k = hf.num_experts_per_tok
+        recorder = getattr(type(hf), "_can_record_outputs", {}).get("router_logits")
+        if recorder is None or not _has_aux_loss(hf):
+            return
+        self.router_index = recorder.index or 0
+        self.router_names = [name for name, m in self.block.named_modules()
+                             if isinstance(m, recorder.target_class)]
+        self.num_experts = hf.num_experts
+        self.top_k = hf.num_experts_per_tok
 
-    def _mask(self, state):
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        kwargs = {"config": self.config, "inputs_embeds": state["hidden_states"],
-                  "attention_mask": state["attention_mask"], "cache": None}
-        if self.mask_takes_positions:
-            kwargs["position_ids"] = state["position_ids"]
-        return make(**kwargs)
-
-    def forward(self, state):
+    def _run_block(self, state, *args, **kwargs):
+        """The block's call, with its router logits added to state's sums."""
         router = state["router"]
         captured = []
         hooks = []
@@ -175,9 +173,7 @@ class HFDecoderBlock(nn.Module):
                 hooks.append(self.block.get_submodule(name).register_forward_hook(
                     lambda _m, _i, out: captured.append(out[self.router_index])))
         try:
-            out = self.block(state["hidden_states"], attention_mask=self._mask(state),
-                             position_ids=state["position_ids"], cache=None, use_cache=False,
-                             position_embeddings=(state["cos"], state["sin"]))
+            out = self.block(state["hidden_states"], *args, **kwargs)
         finally:
             for h in hooks:
                 h.remove()
@@ -216,20 +212,87 @@ class HFDecoderBlock(nn.Module):
         return router
 
 
-def _chunk_loss(hidden, weight, bias, labels):
-    logits = F.linear(hidden, weight, bias).float()
+def _has_aux_loss(hf):
+    """Whether the causal LM adds transformers' load-balancing loss."""
+    return all(hasattr(hf, a) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")) and \
+        "router_logits" in getattr(type(hf), "_can_record_outputs", {})
+
+
+class HFDecoderBlock(_RouterCapture):
+    """One decoder block of the loaded model, with its attention mask made
+    here from the 2-D padding mask (as the model's forward makes it)."""
+
+    def __init__(self, hf, family, index):
+        super().__init__()
+        self.block = hf.model.layers[index]
+        self.config = hf.config
+        self.family = family
+        self.index = index
+        config = hf.config
+        if family == "qwen3_moe":
+            self.sliding = getattr(config, "sliding_window", None) is not None
+        else:
+            types = getattr(config, "layer_types", None)
+            self.sliding = bool(types) and types[index] == "sliding_attention"
+        self.mask_takes_positions = family != "gpt_oss"
+        self._init_router(hf)
+
+    def _mask(self, state):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        kwargs = {"config": self.config, "inputs_embeds": state["hidden_states"],
+                  "attention_mask": state["attention_mask"], "cache": None}
+        if self.mask_takes_positions:
+            kwargs["position_ids"] = state["position_ids"]
+        return make(**kwargs)
+
+    def forward(self, state):
+        return self._run_block(state, attention_mask=self._mask(state), position_ids=state["position_ids"],
+                               cache=None, use_cache=False, position_embeddings=(state["cos"], state["sin"]))
+
+
+class LogitTransform:
+    """What a causal LM does to its LM head's output before the loss, read
+    from its config: Cohere's ``logit_scale`` (a product), Granite's
+    ``logits_scaling`` (a quotient), Gemma 2/3's ``final_logit_softcapping``
+    (``cap * tanh(logits / cap)``), in the model's dtype as transformers
+    computes them."""
+
+    def __init__(self, hf):
+        config = hf.config
+        scale = getattr(hf, "logit_scale", None)
+        self.scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+        scaling = getattr(config, "logits_scaling", None)
+        self.divisor = float(scaling) if scaling not in (None, 1, 1.0) else None
+        cap = getattr(config, "final_logit_softcapping", None)
+        self.softcap = float(cap) if cap else None
+
+    def __call__(self, logits):
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _chunk_loss(hidden, weight, bias, labels, transform):
+    logits = transform(F.linear(hidden, weight, bias)).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class HFHead(nn.Module):
-    """Final norm and LM head; the causal-LM loss in chunks of tokens."""
+    """Final norm and LM head; the causal-LM loss in chunks of tokens.
+    ``norm`` and ``lm_head`` are the loaded model's modules."""
 
-    def __init__(self, hf, family):
+    def __init__(self, hf, norm, lm_head):
         super().__init__()
-        self.norm = hf.model.norm
-        self.lm_head = hf.lm_head
+        self.norm = norm
+        self.lm_head = lm_head
         self.vocab_size = hf.config.vocab_size
-        self.kind = "moe" if family in _MOE_FAMILIES else "dense"
+        self.transform = LogitTransform(hf)
+        self.kind = "moe" if _has_aux_loss(hf) else "dense"
         self.chunk_tokens = max(1, _LOSS_CHUNK_ELEMENTS // self.vocab_size)
         if self.kind == "moe":
             self.router_aux_loss_coef = hf.router_aux_loss_coef
@@ -243,7 +306,7 @@ class HFHead(nn.Module):
         has_labels = labels is not None or shift_labels is not None
         if not has_labels or state["return_logits"]:
             kept = hidden[:, -keep:, :] if keep else hidden
-            fields["logits"] = self.lm_head(kept)
+            fields["logits"] = self.transform(self.lm_head(kept))
         if has_labels:
             fields.update(self._loss(hidden, labels, shift_labels, state["num_items_in_batch"]))
         router = state["router"]
@@ -266,7 +329,7 @@ class HFHead(nn.Module):
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, flat.shape[0], self.chunk_tokens):
             end = start + self.chunk_tokens
-            total = total + checkpoint(_chunk_loss, flat[start:end], weight, bias, targets[start:end],
+            total = total + checkpoint(_chunk_loss, flat[start:end], weight, bias, targets[start:end], self.transform,
                                        use_reentrant=False, preserve_rng_state=False)
         if num_items is None:
             denominator = (targets != IGNORE_INDEX).sum().to(torch.float32)
@@ -347,4 +410,4 @@ def preset_layers(model):
         _refuse_packed_experts(model)
     n = model.config.num_hidden_layers
     blocks = [HFDecoderBlock(model, family, i) for i in range(min(n, len(model.model.layers)))]
-    return nn.Sequential(HFEmbedding(model, family), *blocks, HFHead(model, family))
+    return nn.Sequential(HFEmbedding(model, family), *blocks, HFHead(model, model.model.norm, model.lm_head))

@@ -4,6 +4,7 @@ unwrapped model: a tiny GPT-2 (tied embeddings stay between the parts) and a
 nested model of our own; outputs, losses and every parameter after three
 steps, names unchanged."""
 import copy
+import threading
 import warnings
 
 import pytest
@@ -49,7 +50,7 @@ def test_a_model_without_a_preset_is_split_into_parts_and_trains_as_itself(tmp_p
     keys = list(hf.state_dict())
     # 20 kB: the blocks (~200 kB) are parts, the position embedding (16 kB)
     # is not; the tied token embedding / head stays between the parts.
-    model = wrap_model_to_roundpipe(hf, lower_threshold=20_000,
+    model = wrap_model_to_roundpipe(hf, use_sequential_preset=False, lower_threshold=20_000,
                                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
     assert isinstance(model, AutoRoundPipe) and isinstance(model, nn.Module)
     assert model._part_paths == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
@@ -128,9 +129,69 @@ def test_nested_parts_keep_their_places_and_train_as_plain_pytorch():
     train_both(model, net, ref, losses)
 
 
+def test_asynchronous_steps_have_the_one_step_delay():
+    """One step_fn for all parts, run on the first part's optimizer thread:
+    call k's gradient is taken before step k - 1 is applied, as RoundPipe's."""
+    torch.manual_seed(3)
+    net = Nested()
+    ref = copy.deepcopy(net)
+    model = AutoRoundPipe(net, lower_threshold=1, upper_threshold=5000,
+                          model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    assert not model._trained_in_place()  # the head is a part too
+    with OptimizerCtx():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(9, 16), torch.randn(9, 2)
+    loss_fn = lambda out, t: nn.functional.mse_loss(out, t, reduction="sum")  # noqa: E731
+    threads, pending = [], None
+    for step in range(3):
+        loss = model.forward_backward((x,), label=y, loss_fn=loss_fn)
+        ref_loss = sum(loss_fn(ref(xs), ys) for xs, ys in zip(x.chunk(3), y.chunk(3)))
+        assert_close(loss, ref_loss.detach(), rtol=1e-5, what=f"loss of call {step}")
+        grads = torch.autograd.grad(ref_loss, list(ref.parameters()))
+        if pending is not None:
+            with torch.no_grad():
+                for p, g in zip(ref.parameters(), pending):
+                    p.sub_(0.1 * g)
+        pending = grads
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: the step is asynchronous
+            model.step(lambda: (threads.append(threading.current_thread()), opt.step(), opt.zero_grad()))
+    model.synchronize()
+    with torch.no_grad():
+        for p, g in zip(ref.parameters(), pending):
+            p.sub_(0.1 * g)
+    assert len(threads) == 3 and threading.main_thread() not in threads
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert_close(p, q, rtol=1e-5, atol=1e-6, what=name)
+
+
+def test_a_failing_asynchronous_step_is_raised_by_the_next_call():
+    model = AutoRoundPipe(Nested(), lower_threshold=1, upper_threshold=5000)
+    x = torch.randn(4, 16)
+    model.forward_backward((x,), loss_fn=lambda out, _: out.sum())
+    model.step(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model.synchronize()
+    model.synchronize()  # reported once; the model goes on
+    model.forward_backward((x,), loss_fn=lambda out, _: out.sum())
+    model.step(lambda: None)
+    model.synchronize()
+
+
+def test_set_original_model_redirects_attribute_reads():
+    model = AutoRoundPipe(Nested(), lower_threshold=1, upper_threshold=5000)
+    other = nn.Linear(2, 2)
+    other.marker = "original"
+    model.set_original_model(other)
+    assert model.marker == "original"
+    model.flag = 3
+    assert other.flag == 3
+
+
 def test_errors_and_the_asynchronous_step_warning():
     assert len(wrap_model_to_roundpipe(Nested(), lower_threshold=10 ** 9).parts()) == 1  # no submodule fits: whole
-    model = AutoRoundPipe(Nested(), lower_threshold=1, upper_threshold=5000)
+    model = AutoRoundPipe(Nested(), lower_threshold=1000, upper_threshold=5000)  # the head stays between
+    assert model._trained_in_place()
     x = torch.randn(4, 16)
     model.forward_backward((x,), loss_fn=lambda out, _: out.sum())
     with pytest.warns(UserWarning, match="runs synchronously"):

@@ -30,6 +30,8 @@ def tiny_model(family="llama", seed=0):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if family == "llama":
         config = transformers.LlamaConfig(tie_word_embeddings=False, **common)
+    elif family == "mistral":  # no preset of its own: the generic decoder preset
+        config = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=6, head_dim=8, **common)
     else:
         config = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=8, **common)
     config._attn_implementation = "eager"
@@ -315,6 +317,14 @@ def text_dataset(rows=16, seed=0):
 @pytest.mark.parametrize("is_async", [False, True])
 @pytest.mark.parametrize("packing", [False, True])
 def test_sft_trainer_equals_plain_sft_trainer(tmp_path, packing, is_async):
+    sft_trainer_equals_plain_sft_trainer(tmp_path, packing, is_async, "qwen3")
+
+
+def test_sft_trainer_on_an_architecture_without_a_preset(tmp_path):
+    sft_trainer_equals_plain_sft_trainer(tmp_path, True, True, "mistral")
+
+
+def sft_trainer_equals_plain_sft_trainer(tmp_path, packing, is_async, family):
     trl = pytest.importorskip("trl")
     from roundpipe.integrations.transformers import RoundPipeSFTTrainer
     train, held_out = text_dataset(), text_dataset(rows=4, seed=1)
@@ -327,10 +337,10 @@ def test_sft_trainer_equals_plain_sft_trainer(tmp_path, packing, is_async):
                              bf16=False, disable_tqdm=True, dataset_num_proc=None)
 
     plain_class = type("DelayedSFTTrainer", (OneStepDelay, trl.SFTTrainer), {}) if is_async else trl.SFTTrainer
-    plain = plain_class(model=tiny_model("qwen3"), args=sft_args("plain"), train_dataset=train,
+    plain = plain_class(model=tiny_model(family), args=sft_args("plain"), train_dataset=train,
                         eval_dataset=held_out, processing_class=tiny_tokenizer())
     plain.train()
-    ours = RoundPipeSFTTrainer(model=tiny_model("qwen3"), args=sft_args("ours"), train_dataset=train,
+    ours = RoundPipeSFTTrainer(model=tiny_model(family), args=sft_args("ours"), train_dataset=train,
                                eval_dataset=held_out, processing_class=tiny_tokenizer(),
                                roundpipe_config=RoundPipeConfig(is_async=is_async, num_microbatch=2))
     ours.train()

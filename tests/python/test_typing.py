@@ -10,7 +10,7 @@ import os
 import roundpipe
 
 MODULES = ["roundpipe", "roundpipe.auto", "roundpipe.checkpoint", "roundpipe.data", "roundpipe.device",
-           "roundpipe.distributed", "roundpipe.grad_scaler", "roundpipe.microbatch", "roundpipe.optim",
+           "roundpipe.distributed", "roundpipe.grad_scaler", "roundpipe.hf_generic", "roundpipe.microbatch", "roundpipe.optim",
            "roundpipe.optimizer_ctx", "roundpipe.optimizer_state", "roundpipe.plan", "roundpipe.presets",
            "roundpipe.recompute", "roundpipe.run_config", "roundpipe.safetensors", "roundpipe.timer",
            "roundpipe.trace", "roundpipe.models.function", "roundpipe.integrations.transformers"]

@@ -1,0 +1,239 @@
+"""The generic decoder preset (docs/hf.md, "Other decoders"): any Hugging
+Face decoder-only causal LM whose decoder blocks are one ``nn.ModuleList``
+becomes one RoundPipe of embedding | one layer per block | head, on the
+fused pipeline with asynchronous steps.
+
+Nothing of an architecture's math is written here. The layers hold the
+loaded model's own modules and run its own code:
+
+- The embedding layer runs the inner model's ``forward`` (token and position
+  embeddings, embedding scaling, dropout, the attention masks of each layer
+  type, the rotary tables of each layer type) with its decoder blocks
+  replaced by stand-ins that record the arguments each block is called
+  with, and stops at the last one. What it passes on: the hidden states
+  the first block gets, and every block's other arguments (each distinct
+  value once).
+- Block layer ``i`` calls block ``i`` with the running hidden states and
+  block ``i``'s recorded arguments; mixture-of-experts routers' logits are
+  summed for the auxiliary loss as in the presets.
+- The head layer is the presets' (roundpipe.hf.HFHead): the final norm, the
+  LM head, the logit transform the config names, the chunked loss.
+
+A model is refused (``GenericDecoderUnsupported`` with the reason; the
+caller falls back to AutoRoundPipe) when it is not a causal LM, has no
+single block list or no single final norm, or has cross-attention. An
+architecture not in ``TESTED_MODEL_TYPES`` is checked once when it is
+wrapped: the layers, run one after the other on a short input, must give the
+model's own logits.
+"""
+import copy
+import threading
+
+import torch
+from torch import nn
+
+from .hf import HFHead, _EmbeddingBase, _RouterCapture, _base_model, _has_aux_loss
+
+__all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers"]
+
+# Architectures whose generic preset is tested against transformers
+# (tests/python/test_hf_generic.py).
+TESTED_MODEL_TYPES = frozenset((
+    "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe",
+    "deepseek_v3", "gpt_neox", "gpt2", "granite", "phi", "llama", "qwen3", "qwen3_moe",
+))
+
+# Attributes of a decoder block that inner models read while calling it.
+_BLOCK_ATTRIBUTES = ("attention_type", "layer_type", "is_sliding", "layer_idx")
+
+
+class GenericDecoderUnsupported(ValueError):
+    """The model cannot be cut into embedding | blocks | head (the message
+    says why)."""
+
+
+class _Stop(Exception):
+    """Raised by the last block's stand-in: the inner model's forward has
+    done all it does before the blocks."""
+
+
+_RECORDING = threading.local()  # the calls the stand-ins record, per thread
+
+
+class _BlockInputs(nn.Module):
+    """Stands in for decoder block ``index`` inside the embedding layer:
+    records the arguments the inner model calls it with."""
+
+    def __init__(self, index, count, block):
+        super().__init__()
+        self.index, self.count = index, count
+        for name in _BLOCK_ATTRIBUTES:
+            value = getattr(block, name, None)
+            if isinstance(value, (str, int, bool)):
+                setattr(self, name, value)
+
+    def forward(self, *args, **kwargs):
+        _RECORDING.calls.append((args, kwargs))
+        if self.index >= self.count - 1:
+            raise _Stop()
+        return args[0] if args else kwargs["hidden_states"]
+
+
+class GenericEmbedding(_EmbeddingBase):
+    """Layer 0: the inner model's forward up to its first block (module doc).
+    Takes the presets' keywords (roundpipe.hf); returns the state the blocks
+    pass along."""
+
+    def __init__(self, hf, stack):
+        super().__init__()
+        inner = stack.inner
+        prelude = copy.copy(inner)  # the inner model's attributes; its own module dicts
+        for slot in ("_parameters", "_buffers", "_modules"):
+            prelude.__dict__[slot] = dict(inner.__dict__[slot])
+        inner_blocks = inner._modules[stack.blocks_name]
+        count = len(stack.blocks)
+        prelude._modules[stack.blocks_name] = nn.ModuleList(
+            _BlockInputs(i, count, block) for i, block in enumerate(inner_blocks))
+        prelude._modules[stack.norm_name] = nn.Identity()  # never reached: the last stand-in stops
+        self.prelude = prelude
+        self.num_blocks = len(stack.blocks)
+        self._init_call(hf, _has_aux_loss(hf))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
+                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
+        state = self._start(input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels,
+                            num_items_in_batch, return_logits, output_router_logits, use_cache, cache,
+                            past_key_values, logits_to_keep, return_dict, extra)
+        calls = []
+        _RECORDING.calls = calls
+        try:
+            self.prelude(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            _RECORDING.calls = None
+        if len(calls) != self.num_blocks:
+            raise RuntimeError(f"the {type(self.prelude).__name__}'s forward called {len(calls)} of its "
+                               f"{self.num_blocks} decoder blocks")
+        values, index_of = [], {}
+
+        def ref(value):
+            if id(value) not in index_of:
+                index_of[id(value)] = len(values)
+                values.append(value)
+            return index_of[id(value)]
+
+        first_args, first_kwargs = calls[0]
+        state["hidden_states"] = first_args[0] if first_args else first_kwargs["hidden_states"]
+        block_args = []
+        for args, kwargs in calls:
+            positional = [ref(a) for a in args[1:]] if args else []
+            keywords = {k: ref(v) for k, v in kwargs.items() if k != "hidden_states"}
+            block_args.append((positional, keywords))
+        state["values"] = values
+        state["block_args"] = block_args
+        return state
+
+
+class GenericBlock(_RouterCapture):
+    """Decoder block ``index`` of the loaded model, called with the
+    arguments its inner model gave it (module doc)."""
+
+    def __init__(self, hf, stack, index):
+        super().__init__()
+        self.block = stack.blocks[index]
+        self.index = index
+        self._init_router(hf)
+
+    def forward(self, state):
+        positional, keywords = state["block_args"][self.index]
+        values = state["values"]
+        return self._run_block(state, *[values[i] for i in positional],
+                               **{k: values[i] for k, i in keywords.items()})
+
+
+class DecoderStack:
+    """Where a causal LM keeps its parts: the inner model, its block list and
+    final norm (by attribute name), its LM head."""
+
+    def __init__(self, model):
+        hf = _base_model(model)
+        self.hf = hf
+        config = getattr(hf, "config", None)
+        name = type(hf).__name__
+        if config is None or not callable(getattr(hf, "get_output_embeddings", None)):
+            raise GenericDecoderUnsupported(f"a {name} is not a Hugging Face transformers model")
+        if getattr(config, "is_encoder_decoder", False):
+            raise GenericDecoderUnsupported(f"a {name} is an encoder-decoder model, not a decoder-only one")
+        if not name.endswith(("ForCausalLM", "LMHeadModel")):
+            raise GenericDecoderUnsupported(f"a {name} is not a causal language model (*ForCausalLM)")
+        if getattr(config, "add_cross_attention", False):
+            raise GenericDecoderUnsupported(f"the {name} has cross-attention")
+        inner = getattr(hf, "base_model", hf)
+        if inner is hf or not isinstance(inner, nn.Module):
+            raise GenericDecoderUnsupported(f"the {name} has no inner decoder model")
+        self.inner = inner
+        lists = [(n, c) for n, c in inner.named_children() if isinstance(c, nn.ModuleList)]
+        if len(lists) != 1 or len(lists[0][1]) == 0:
+            raise GenericDecoderUnsupported(
+                f"the {type(inner).__name__} has {len(lists)} module lists; the generic preset needs exactly one, "
+                "its decoder blocks")
+        self.blocks_name, blocks = lists[0]
+        # Some models keep more blocks than their forward runs (multi-token
+        # prediction layers): the forward's are the first num_hidden_layers.
+        count = getattr(config, "num_hidden_layers", None)
+        self.blocks = list(blocks)[:count] if isinstance(count, int) and count > 0 else list(blocks)
+        norms = [n for n, c in inner.named_children() if "norm" in type(c).__name__.lower()]
+        if len(norms) != 1:
+            raise GenericDecoderUnsupported(
+                f"the {type(inner).__name__} has {len(norms)} norm modules beside its blocks "
+                f"({', '.join(norms) or 'none'}); the generic preset needs exactly one, its final norm")
+        self.norm_name = norms[0]
+        self.norm = getattr(inner, self.norm_name)
+        head = hf.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise GenericDecoderUnsupported(f"the {name}'s output embedding is a {type(head).__name__}, "
+                                            "not an nn.Linear")
+        self.head = head
+        self.model_type = getattr(config, "model_type", None)
+
+
+def generic_layers(model: nn.Module) -> nn.Sequential:
+    """embedding | blocks | head for ``model`` as an ``nn.Sequential``
+    holding the model's own modules; raises GenericDecoderUnsupported."""
+    stack = DecoderStack(model)
+    hf = stack.hf
+    blocks = [GenericBlock(hf, stack, i) for i in range(len(stack.blocks))]
+    layers = nn.Sequential(GenericEmbedding(hf, stack), *blocks, HFHead(hf, stack.norm, stack.head))
+    if stack.model_type not in TESTED_MODEL_TYPES:
+        _check_against_model(hf, layers)
+    return layers
+
+
+def _check_against_model(hf, layers):
+    """The layers run one after the other must give the model's own logits
+    on a short input (eval mode, no gradients)."""
+    vocab = hf.config.vocab_size
+    ids = (torch.arange(8, dtype=torch.long) * 7 + 3).remainder(vocab).unsqueeze(0)
+    modes = [(m, m.training) for m in hf.modules()]
+    hf.eval()
+    try:
+        with torch.no_grad():
+            expected = hf(input_ids=ids, use_cache=False).logits
+            state = ids
+            out = layers[0](input_ids=state)
+            for layer in list(layers)[1:]:
+                out = layer(out)
+            got = out.logits
+    except Exception as e:  # noqa: BLE001 - any failure means: not this preset
+        raise GenericDecoderUnsupported(f"the layers failed on a test input ({type(e).__name__}: {e})") from None
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    scale = max(1.0, float(expected.abs().max()))
+    tolerance = (1e-4 if expected.dtype == torch.float32 else 3e-2) * scale
+    if got.shape != expected.shape or float((got.float() - expected.float()).abs().max()) > tolerance:
+        raise GenericDecoderUnsupported("its layers, run one after the other, do not give the model's logits "
+                                        "(its forward does more than embedding | blocks | final norm | LM head)")
