@@ -38,7 +38,7 @@ ARCHITECTURES = {
 
 def tiny_config(model_type, **overrides):
     from transformers import CONFIG_MAPPING
-    fields = ARCHITECTURES[model_type]
+    fields = ARCHITECTURES[model_type] if model_type in ARCHITECTURES else PRESET_ARCHITECTURES[model_type]
     if fields is None:
         values = dict(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=128, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -51,6 +51,10 @@ def tiny_config(model_type, **overrides):
                 values[k] = v
     values.update(overrides)
     return CONFIG_MAPPING[model_type](**values)
+
+
+# The preset families' configs, for comparisons with the generic preset.
+PRESET_ARCHITECTURES = {"llama": dict(), "qwen3": dict(tie_word_embeddings=True)}
 
 
 def tiny_model(model_type, dtype=torch.float32, seed=0, **overrides):
