@@ -1,4 +1,4 @@
-"""B11 (BENCHMARKS.md): the pipeline on Hugging Face architectures.
+"""B11 (docs/guide.md): the pipeline on Hugging Face architectures.
 
 Tiny Mistral-, Gemma 3- and DeepSeek-V3-shaped models of 16 decoder blocks
 (tests/python/hf_tiny.py's configs), fp32, through wrap_model_to_roundpipe
@@ -114,7 +114,7 @@ def main():
             keys.append(f"ms_d{d}_{name}={ms[d][name + '_preset']:.1f}")
             keys.append(f"ms_d{d}_auto_{name}={ms[d][name + '_auto']:.1f}")
     met = min(effs[n + "_preset"] for n in ARCHITECTURES) >= 0.85
-    print("target (BENCHMARKS.md): eff_d4_mistral, eff_d4_gemma3, eff_d4_deepseek_v3 >= 0.85: " +
+    print("target (docs/guide.md): eff_d4_mistral, eff_d4_gemma3, eff_d4_deepseek_v3 >= 0.85: " +
           ("met" if met else "NOT met"))
     print("RESULT id=B11 " + " ".join(keys))
 

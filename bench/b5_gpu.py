@@ -1,4 +1,4 @@
-"""B5 (BENCHMARKS.md): training a decoder with Qwen3-1.7B shapes (28 layers,
+"""B5 (docs/guide.md): training a decoder with Qwen3-1.7B shapes (28 layers,
 hidden 2048, 16 heads / 8 kv heads, MLP 6144, vocab 151936), random weights,
 bf16 model with fp32 optimizer copies, sequences of 2048 tokens, on the GPU:
 roundpipe against plain PyTorch on the same GPU, in one process:
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from block_timing import Side, alternate_blocks, describe, median  # noqa: E402
 
 
-PEAK_FLOPS = 989e12  # H200 dense bf16 (BENCHMARKS.md): mfu counts 6 x parameters x tokens
+PEAK_FLOPS = 989e12  # H200 dense bf16 (docs/guide.md): mfu counts 6 x parameters x tokens
 
 
 def qwen3_config(hidden, mlp, layers, heads, kv_heads, tiny=False):

@@ -1,4 +1,4 @@
-"""B8 (BENCHMARKS.md): a model too big for a 24 GiB GPU, trained on one:
+"""B8 (docs/guide.md): a model too big for a 24 GiB GPU, trained on one:
 a decoder with Qwen3-4B shapes (36 layers, hidden 2560, 32 heads / 8 kv
 heads, MLP 9728, vocab 151936), random weights, bf16 model with fp32 AdamW
 copies on the host, full fine-tune, sequences of 2048 tokens, on a GPU capped
@@ -33,7 +33,7 @@ from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig, presets  # no
 from b5_gpu import qwen3_config, sync  # noqa: E402
 from block_timing import Side, alternate_blocks, describe, median  # noqa: E402
 
-PEAK_FLOPS = 989e12  # H200 dense bf16 (BENCHMARKS.md)
+PEAK_FLOPS = 989e12  # H200 dense bf16 (docs/guide.md)
 CAP_BYTES = 24 * 2**30
 
 

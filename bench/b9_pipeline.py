@@ -1,10 +1,10 @@
-"""B9: the pipeline on the real engine (BENCHMARKS.md).
+"""B9: the pipeline on the real engine (docs/guide.md).
 
 CPU devices whose layers compute by sleeping (forward F = 4 ms, backward 2F,
 recomputation sleeps again), as a GPU kernel keeps a device busy without a
 host core; 16 layers of one Linear(64, 64); M = 9 at every D; copies 500 us
 late (ROUNDPIPE_CPU_COPY_DELAY_US=500); default settings except
-preserve_rng_state=False (as BENCHMARKS.md defines B9). D = 1, 2, 4, 8, each
+preserve_rng_state=False (as docs/guide.md defines B9). D = 1, 2, 4, 8, each
 in a process of its own (the device pool is fixed at first use). Models: no
 buffers ("plain"); a constant buffer in the first layer, persistent and only
 read ("const_buffer"); the rotary table of the presets in the first layer,
@@ -122,7 +122,7 @@ def main():
     effs = {n: ms[1][n] / ms[8][n] / 8 for n in MODELS}
     met = min(effs[n] for n in BUFFERED) >= 0.90
     near = abs(effs["const_buffer_nonpersistent"] - effs["plain"]) <= 0.02
-    print("targets (BENCHMARKS.md): eff_d8_plain, eff_d8_const_buffer, "
+    print("targets (docs/guide.md): eff_d8_plain, eff_d8_const_buffer, "
           "eff_d8_const_buffer_nonpersistent, eff_d8_written_buffer >= 0.90: " + ("met" if met else "NOT met") +
           "; eff_d8_const_buffer_nonpersistent within 0.02 of eff_d8_plain: " + ("met" if near else "NOT met") +
           f"; eff_d8_plain_keyed {effs['plain_keyed']:.3f}")

@@ -93,7 +93,7 @@ int main() {
     std::printf("%-28s %10.3f %10.3f %10.3f\n", rows[i], t[i].median * 1e3, t[i].min * 1e3,
                 t[i].max * 1e3);
   }
-  std::printf("target (BENCHMARKS.md): < %.0f us per task on %s devices: %.2f us, %s\n", target_us,
+  std::printf("target (docs/guide.md): < %.0f us per task on %s devices: %.2f us, %s\n", target_us,
               on_gpu ? "GPU" : "CPU", us_per_task,
               !same_parallelism ? "not judged (not the same parallelism)"
                                 : (us_per_task < target_us ? "met" : "NOT met"));

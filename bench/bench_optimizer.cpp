@@ -7,7 +7,7 @@
 // repetition runs all kernels once, in a fixed order (strict alternation); the
 // table shows medians after one warm-up round.
 //
-// Environment (defaults = the BENCHMARKS.md size):
+// Environment (defaults = the size B1 runs, docs/guide.md):
 //   ROUNDPIPE_B1_ELEMENTS  total fp32 parameter elements (default 64Mi)
 //   ROUNDPIPE_B1_TENSORS   number of equal tensors (default 16)
 //   ROUNDPIPE_B1_REPS      timed repetitions, >= 5 (default 9)

@@ -146,7 +146,7 @@ int main() {
   std::printf("D=8, round-robin devices: bubble %.2f%%\n", 100 * round_robin.bubble);
   std::printf("D=8, the balanced plan: bubble %.2f%% (round-robin %.2f%%)\n", 100 * balanced_plan.bubble,
               100 * balanced_round_robin.bubble);
-  std::printf("targets (BENCHMARKS.md): bubble_d8 <= 3%% %s, speedup_d8 >= 7.7 %s\n",
+  std::printf("targets (docs/guide.md): bubble_d8 <= 3%% %s, speedup_d8 >= 7.7 %s\n",
               rp[8].bubble <= 0.03 ? "met" : "NOT met", speedup8 >= 7.7 ? "met" : "NOT met");
   std::printf(
       "(the default: RoundPipeOptions::overlap_iterations = false gets the single column: "

@@ -7,7 +7,7 @@
 // the loops. Parallelism: roundpipe's one device computes on its worker
 // thread and the loops on the caller's, each with the same intra-op threads
 // (printed); roundpipe's Adam runs on its optimizer thread (asynchronous
-// steps, BENCHMARKS.md), the loops' Adam inline.
+// steps, docs/guide.md), the loops' Adam inline.
 #include <malloc.h>
 #include <roundpipe/roundpipe.h>
 #include <torch/torch.h>
@@ -187,7 +187,7 @@ int main() {
     std::printf("%-40s %10.1f %10.1f %10.1f\n", rows[i], t[i].median * 1e3, t[i].min * 1e3,
                 t[i].max * 1e3);
   }
-  std::printf("target (BENCHMARKS.md): step_time_vs_libtorch_ckpt <= 1.05: %.3f, %s\n", rp / ckpt,
+  std::printf("target (docs/guide.md): step_time_vs_libtorch_ckpt <= 1.05: %.3f, %s\n", rp / ckpt,
               rp / ckpt <= 1.05 ? "met" : "NOT met");
   std::printf("RESULT id=B3 step_time_vs_libtorch_ckpt=%.3f step_time_vs_libtorch=%.3f "
               "roundpipe_ms=%.1f libtorch_ckpt_ms=%.1f libtorch_ms=%.1f devices=%lld "

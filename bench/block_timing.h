@@ -1,5 +1,5 @@
 // Throughput of two or more sides compared in alternating blocks of
-// iterations (BENCHMARKS.md: a ratio measured side by side, median of at
+// iterations (docs/guide.md: a ratio measured side by side, median of at
 // least 5 repetitions after a warm-up).
 //
 // Why blocks: a roundpipe call returns at its losses while its backward

@@ -1,4 +1,4 @@
-"""Q1: training quality of the compact optimizer state (BENCHMARKS.md).
+"""Q1: training quality of the compact optimizer state (docs/guide.md).
 
 Two jobs, each trained twice with the same seeds and data: the fp32 AdamW
 run (fp32 optimizer copies and moments) and the compact one (bf16 optimizer
@@ -205,7 +205,7 @@ def main():
         ratios[job] = mcmp / m32
         print(f"{job:6} {model:10} {steps:5d} {'mean':>4} {'':8} {m32:11.4f} {mcmp:9.4f} {ratios[job]:7.4f}")
     met = all(abs(r - 1) <= 0.01 for r in ratios.values())
-    print(f"target (BENCHMARKS.md): ratios of the means within 1.00 +- 0.01: {'met' if met else 'NOT met'}; "
+    print(f"target (docs/guide.md): ratios of the means within 1.00 +- 0.01: {'met' if met else 'NOT met'}; "
           f"total {time.time() - t0:.0f} s")
     print(f"RESULT id=Q1 loss_ratio_llama={ratios['llama']:.4f} loss_ratio_qwen3={ratios['qwen3']:.4f} "
           f"seeds_llama={len(llama_seeds)} seeds_qwen3={len(qwen3_seeds)}"

@@ -5,7 +5,7 @@ Usage::
     python -m roundpipe.trace_svg TRACE.json -o OUT.svg [--width N] [--title T]
                                   [--from-ms A] [--to-ms B]
 
-Input: a trace as roundpipe writes it (see src/schedule/trace.h: one process
+Input: a trace as roundpipe writes it (see src/schedule/chrome_trace.h: one process
 per device plus "host", one thread per lane, complete events whose "cat" is
 the kind of work) or any other Chrome trace: a top-level list of events or an
 object with a "traceEvents" list; "X" (complete) events and "B"/"E" pairs on
