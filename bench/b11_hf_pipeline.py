@@ -80,7 +80,7 @@ def child(paths):
                 opt = Adam(model.parameters(), lr=1e-4)
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, hf_tiny.VOCAB, (ROWS, LENGTH), generator=g)
-            kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}  # training keeps no cache
+            kwargs = {"input_ids": ids, "labels": ids}
             iterations = []
             for _ in range(WARMUP + MEASURED):
                 start = time.perf_counter()

@@ -30,6 +30,7 @@ synchronously (once warned): those train in place on the calling thread.
 """
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -116,6 +117,17 @@ def _check_split_arguments(who, model, lower_threshold, upper_threshold, overrid
 
 def _noop():
     pass
+
+
+def _takes_use_cache(model):
+    """Whether ``model`` is called with a key/value cache unless told not to
+    (a transformers model whose config says ``use_cache``)."""
+    if not getattr(getattr(model, "config", None), "use_cache", False):
+        return False
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _route_to(part):
@@ -251,6 +263,11 @@ class AutoRoundPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
         check_grad_mode("AutoRoundPipe")
+        if "use_cache" not in input_kwargs and _takes_use_cache(self.model):
+            # Training keeps no key/value cache, as transformers' gradient
+            # checkpointing decides: a part's recomputation would append to
+            # the cache a second time.
+            input_kwargs = {**input_kwargs, "use_cache": False}
         inputs, labels = _split_auto(input_args, input_kwargs, label, self._num_microbatch(run_config),
                                      warn=lambda n, batch: warn_small_batch(self, n, batch, stacklevel=5))
         total, outputs = None, []

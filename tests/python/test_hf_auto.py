@@ -373,3 +373,21 @@ def test_generate_and_cached_calls_work_for_batches_after_wrapping(kind, preset)
         assert not torch.equal(hf.model.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
         with torch.no_grad():
             assert_close(hf(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_backward_keeps_no_key_value_cache():
+    """A loaded model's config says use_cache=True: forward_backward trains
+    without a cache (a part's recomputation would extend it again)."""
+    import hf_tiny
+    hf = hf_tiny.tiny_model("mistral")
+    ref = copy.deepcopy(hf)
+    assert hf.config.use_cache
+    model = AutoRoundPipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    ids = torch.randint(0, hf_tiny.VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    loss = model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss)
+    model.synchronize()
+    ref_loss = sum(ref(input_ids=part, labels=part).loss for part in ids.chunk(2))
+    ref_loss.backward()
+    assert_close(loss, ref_loss.detach(), rtol=1e-5, what="loss")
+    for (name, p), q in zip(hf.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, what=name)
