@@ -154,7 +154,7 @@ class _RouterCapture(nn.Module):
 
     def _init_router(self, hf):
         self.router_names = []
-        recorder = getattr(type(hf), "_can_record_outputs", {}).get("router_logits")
+        recorder = (getattr(type(hf), "_can_record_outputs", None) or {}).get("router_logits")
         if recorder is None or not _has_aux_loss(hf):
             return
         self.router_index = recorder.index or 0
@@ -215,7 +215,7 @@ class _RouterCapture(nn.Module):
 def _has_aux_loss(hf):
     """Whether the causal LM adds transformers' load-balancing loss."""
     return all(hasattr(hf, a) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")) and \
-        "router_logits" in getattr(type(hf), "_can_record_outputs", {})
+        "router_logits" in (getattr(type(hf), "_can_record_outputs", None) or {})
 
 
 class HFDecoderBlock(_RouterCapture):

@@ -40,7 +40,8 @@ __all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers"]
 # (tests/python/test_hf_generic.py).
 TESTED_MODEL_TYPES = frozenset((
     "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe",
-    "deepseek_v3", "gpt_neox", "gpt2", "granite", "phi", "llama", "qwen3", "qwen3_moe",
+    "deepseek_v3", "gpt_neox", "gpt2", "granite", "phi", "cohere", "starcoder2", "stablelm", "olmoe", "jamba",
+    "llama", "qwen3", "qwen3_moe",
 ))
 
 # Attributes of a decoder block that inner models read while calling it.
@@ -203,10 +204,18 @@ class DecoderStack:
 def generic_layers(model: nn.Module) -> nn.Sequential:
     """embedding | blocks | head for ``model`` as an ``nn.Sequential``
     holding the model's own modules; raises GenericDecoderUnsupported."""
-    stack = DecoderStack(model)
+    try:
+        stack = DecoderStack(model)
+    except GenericDecoderUnsupported:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model this code does not understand: not this preset
+        raise GenericDecoderUnsupported(f"its parts could not be found ({type(e).__name__}: {e})") from None
     hf = stack.hf
-    blocks = [GenericBlock(hf, stack, i) for i in range(len(stack.blocks))]
-    layers = nn.Sequential(GenericEmbedding(hf, stack), *blocks, HFHead(hf, stack.norm, stack.head))
+    try:
+        blocks = [GenericBlock(hf, stack, i) for i in range(len(stack.blocks))]
+        layers = nn.Sequential(GenericEmbedding(hf, stack), *blocks, HFHead(hf, stack.norm, stack.head))
+    except Exception as e:  # noqa: BLE001 - a model this code does not understand: not this preset
+        raise GenericDecoderUnsupported(f"its layers could not be built ({type(e).__name__}: {e})") from None
     if stack.model_type not in TESTED_MODEL_TYPES:
         _check_against_model(hf, layers)
     return layers

@@ -33,6 +33,13 @@ ARCHITECTURES = {
                      num_key_value_heads=None, head_dim=None),
     "gpt2": None,  # its own field names
     "phi": dict(resid_pdrop=0.0, embd_pdrop=0.0, partial_rotary_factor=0.5, num_key_value_heads=4, head_dim=None),
+    "cohere": dict(logit_scale=0.5, use_qk_norm=True),
+    "starcoder2": dict(sliding_window=6, residual_dropout=0.0, embedding_dropout=0.0, use_bias=True),
+    "stablelm": dict(partial_rotary_factor=0.5, use_qkv_bias=True, hidden_dropout=0.0),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02),
+    "jamba": dict(num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
+                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2,
+                  mamba_dt_rank=4, use_mamba_kernels=False, output_router_logits=False),
 }
 
 
