@@ -45,6 +45,7 @@ from .grad_scaler import _check_no_torch_scaler
 from .microbatch import _merge_auto, _split_auto
 from .hf import _FAMILIES, _base_model, _family, merge_hf_outputs, preset_layers
 from .hf_generic import GenericDecoderUnsupported, generic_layers
+from .packed import pack_frozen_linears
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
 
@@ -477,6 +478,7 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
                             lower_threshold: int = 16 * 1024, upper_threshold: Optional[int] = None,
                             skip_modules: Iterable[nn.Module] = (),
                             override_config: Optional[Dict[nn.Module, RoundPipeRunConfig]] = None,
+                            frozen_weights: Optional[str] = None,
                             **roundpipe_kwargs: Any) -> Union[RoundPipe, "AutoRoundPipe"]:
     """A RoundPipe for ``model`` as it was loaded.
 
@@ -492,6 +494,12 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
       ``override_config`` maps a submodule to its part's run config. Returns
       ``AutoRoundPipe(model, ...)`` (roundpipe.auto).
 
+    ``frozen_weights="nf4" | "fp4" | "int8"`` keeps every frozen
+    ``nn.Linear`` weight (a LoRA model's base weights; not the LM head)
+    packed in host memory, uploaded packed and dequantized on the device
+    (roundpipe.packed), replacing those modules in place; bitsandbytes 4-bit
+    linears are kept as they were loaded either way.
+
     A Hugging Face model gets one ``WrapPathWarning`` saying which of these
     it got and why. ``roundpipe_kwargs`` go to RoundPipe (``optim_dtype``,
     ``name``, ``model_run_config``, ``pin_model``, ``process_group``, ...).
@@ -503,6 +511,9 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
                         f"got {use_sequential_preset!r}")
     _check_split_arguments("wrap_model_to_roundpipe", model, lower_threshold, upper_threshold, override_config)
     roundpipe_kwargs.setdefault("name", _caller_name())
+    get_head = getattr(_base_model(model), "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    pack_frozen_linears(model, frozen_weights, skip=(head,) if head is not None else ())
     is_hf = hasattr(_base_model(model), "config") and not isinstance(model, nn.Sequential)
     layers, why = _choose_layers(model, use_sequential_preset) if is_hf else (None, "")
     if layers is not None:

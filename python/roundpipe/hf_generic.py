@@ -40,7 +40,7 @@ __all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers"]
 # (tests/python/test_hf_generic.py).
 TESTED_MODEL_TYPES = frozenset((
     "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen2_moe",
-    "deepseek_v3", "gpt_neox", "gpt2", "granite", "phi", "cohere", "starcoder2", "stablelm", "olmoe", "jamba",
+    "deepseek_v3", "gpt_neox", "gpt2", "granite", "phi", "cohere", "starcoder2", "stablelm", "olmo", "olmoe", "jamba",
     "llama", "qwen3", "qwen3_moe",
 ))
 

@@ -20,6 +20,7 @@ ARCHITECTURES = {
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                         rope_local_base_freq=1000.0, tie_word_embeddings=True),
     "phi3": dict(resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0),
+    "olmo": dict(),
     "olmo2": dict(),
     "granite": dict(logits_scaling=2.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02),
