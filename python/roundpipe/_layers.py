@@ -5,9 +5,24 @@ tensors' data (parameters and buffers are replaced by empty placeholders in
 the copy), whose placeholders the engine points at the device tensors of each
 job. Tied tensors stay tied in the replica (one placeholder for all slots).
 """
+import contextlib
 import copy
+import threading
 
 import torch
+
+# torch.nn.utils.parametrize keeps one cache for the whole process, switched
+# on by its cached() context, which PEFT's LoRA on parameters (ParamWrapper,
+# e.g. on a mixture of experts' stacked weights) enters on every forward. Two
+# devices running such layers at once would share it: one would compute with
+# the other's (or its own earlier) parametrized weight and its graph. Their
+# calls take turns.
+_PARAMETRIZE_LOCK = threading.Lock()
+
+
+def _uses_parametrize(module):
+    from torch.nn.utils import parametrize
+    return any(parametrize.is_parametrized(m) or type(m).__name__ == "ParamWrapper" for m in module.modules())
 
 
 class LayerAdapter:
@@ -39,12 +54,13 @@ class LayerAdapter:
         for b in self.buffers:
             memo[id(b)] = torch.empty(0, dtype=b.dtype)
         replica = copy.deepcopy(self.module, memo)
-        return Replica(self.module, replica, self.param_names, self.buffer_names)
+        return Replica(self.module, replica, self.param_names, self.buffer_names, _uses_parametrize(self.module))
 
 
 class Replica:
-    def __init__(self, master, module, param_names, buffer_names):
+    def __init__(self, master, module, param_names, buffer_names, serialized=False):
         self.module = module
+        self.turns = _PARAMETRIZE_LOCK if serialized else contextlib.nullcontext()
         # The replica mirrors the master's training flags (set per submodule).
         self.pairs = list(zip(master.modules(), module.modules()))
         self.params = [module.get_parameter(n) for n in param_names]
@@ -57,7 +73,8 @@ class Replica:
     def __call__(self, args, kwargs):
         for master, replica in self.pairs:
             replica.training = master.training
-        return self.module(*args, **kwargs)
+        with self.turns:
+            return self.module(*args, **kwargs)
 
     def restore_buffers(self):
         """Puts the bound buffer variables back into the module's slots."""

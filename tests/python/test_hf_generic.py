@@ -277,3 +277,20 @@ def test_an_untested_architecture_is_checked_against_its_own_logits():
         hf_generic.generic_layers(hf)
     wrapped, said = _paths(hf)
     assert isinstance(wrapped, roundpipe.AutoRoundPipe) and "do not give the model's logits" in said[0]
+
+
+def test_layers_with_parametrized_weights_take_turns():
+    """PEFT's LoRA on parameters (a mixture of experts' stacked weights)
+    computes them through torch's parametrize cache, one for the whole
+    process: such layers run one at a time (roundpipe._layers), or a device
+    could compute with another's parametrized weight and its graph."""
+    import peft
+    from roundpipe import _layers
+    model = peft.get_peft_model(hf_tiny.tiny_model("mixtral"),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    block = model.base_model.model.model.layers[0]
+    assert any(type(m).__name__ == "ParamWrapper" for m in block.modules())
+    replica = _layers.LayerAdapter(block, 1).make_replica()
+    assert replica.turns is _layers._PARAMETRIZE_LOCK
+    plain = _layers.LayerAdapter(hf_tiny.tiny_model("mistral").model.layers[0], 1).make_replica()
+    assert plain.turns is not _layers._PARAMETRIZE_LOCK
