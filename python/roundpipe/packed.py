@@ -220,6 +220,10 @@ def pack_frozen_linears(model: nn.Module, fmt: Optional[str], skip: tuple = ()) 
                 continue
             if _is_bitsandbytes_4bit(child):
                 targets.append((parent, name, child, "bitsandbytes"))
+            elif type(child).__module__.startswith("bitsandbytes.") and hasattr(child, "weight"):
+                raise ValueError(f"{type(child).__name__} (bitsandbytes) weights cannot be wrapped as they are "
+                                 "loaded: load the model with load_in_4bit=True and bnb_4bit_use_double_quant=True, "
+                                 "or in bf16 and wrap it with frozen_weights='int8'")
             elif fmt is not None and type(child) is nn.Linear and not child.weight.requires_grad:
                 targets.append((parent, name, child, fmt))
     if fmt is not None and not targets:

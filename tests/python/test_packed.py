@@ -236,3 +236,10 @@ def test_qlora_matches_peft_on_the_same_weights(reports, tag, devices):
     print(f"{tag} on {devices} device(s): " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}
     assert not bad, bad
+
+
+def test_bitsandbytes_8bit_weights_are_refused_with_the_way_out():
+    import bitsandbytes as bnb
+    net = nn.Sequential(bnb.nn.Linear8bitLt(16, 16, has_fp16_weights=False))
+    with pytest.raises(ValueError, match="Linear8bitLt \\(bitsandbytes\\) weights cannot be wrapped.*load_in_4bit"):
+        pack_frozen_linears(net, None)
