@@ -226,7 +226,7 @@ def pack_frozen_linears(model: nn.Module, fmt: Optional[str], skip: tuple = ()) 
                                  "or in bf16 and wrap it with frozen_weights='int8'")
             elif fmt is not None and type(child) is nn.Linear and not child.weight.requires_grad:
                 targets.append((parent, name, child, fmt))
-    if fmt is not None and not targets:
+    if fmt is not None and not targets and not any(isinstance(m, PackedLinear) for m in model.modules()):
         raise ValueError(f"frozen_weights={fmt!r}: the model has no frozen nn.Linear weight to pack (frozen "
                          "weights are those with requires_grad=False, as a PEFT LoRA model's base weights)")
     for parent, name, child, how in targets:

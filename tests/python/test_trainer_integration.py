@@ -230,6 +230,44 @@ def test_lora_model_equals_plain_trainer(tmp_path, is_async):
 # ---------------------------------------------------------------------------
 # Checkpoints and resume_from_checkpoint.
 
+def test_qlora_equals_plain_trainer_on_the_dequantized_weights(tmp_path):
+    """RoundPipeConfig(frozen_weights="nf4"): the frozen linears packed; the
+    run equals plain Trainer on a model holding their dequantized values."""
+    peft = pytest.importorskip("peft")
+    from roundpipe.packed import PackedLinear, pack_frozen_linears
+
+    def lora():
+        model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                          target_modules=["q_proj", "v_proj"]))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        return model
+
+    train = lm_dataset()
+    our_model, plain_model = lora(), lora()
+    head = our_model.get_output_embeddings()
+    pack_frozen_linears(our_model, "nf4", skip=(head,))  # here, to give the plain model the same values
+    plain_modules = dict(plain_model.named_modules())
+    with torch.no_grad():
+        for name, m in our_model.named_modules():
+            if isinstance(m, PackedLinear):
+                plain_modules[name].weight.copy_(m.dequantized_weight())
+    plain = transformers.Trainer(model=plain_model, args=training_args(tmp_path / "plain"), train_dataset=train)
+    plain.train()
+    ours = RoundPipeTrainer(model=our_model, args=training_args(tmp_path / "ours"), train_dataset=train,
+                            roundpipe_config=RoundPipeConfig(is_async=False, num_microbatch=2,
+                                                             frozen_weights="nf4"))
+    ours.train()
+    assert sum(isinstance(m, PackedLinear) for m in our_model.modules()) == 2 * 7  # 2 blocks x 7 linears
+    assert_same_logs(ours, plain)
+    assert_same_parameters(trained_parameters(ours), parameters(plain_model))
+    with pytest.raises(ValueError, match="frozen_weights must be one of"):
+        RoundPipeConfig(frozen_weights="q4")
+
+
 @pytest.mark.parametrize("is_async", [False, True])
 def test_resume_from_checkpoint_continues_the_run(tmp_path, is_async):
     train = lm_dataset()

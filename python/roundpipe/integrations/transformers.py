@@ -32,6 +32,7 @@ import transformers
 
 from .._model import RoundPipe
 from ..auto import wrap_model_to_roundpipe
+from ..packed import FORMATS
 from ..checkpoint import load_checkpoint, save_checkpoint
 from .. import optimizer_state as _optimizer_state
 from .. import optim as _optim
@@ -63,6 +64,9 @@ class RoundPipeConfig:
       rate, betas, epsilon and weight decay, and optimizer copies in the
       model's dtype (bf16 for a bf16 model) unless ``optim_dtype`` is given
       (roundpipe.optimizer_state).
+    - ``frozen_weights``: ``"nf4"``, ``"fp4"`` or ``"int8"`` keeps a LoRA
+      model's frozen linear weights packed (QLoRA, roundpipe.packed);
+      default ``None``: as loaded.
     - ``wrap_kwargs``: further keywords for ``wrap_model_to_roundpipe``
       (``model_run_config``, ``pin_model``, ``sync_warmup_steps``, ...).
     """
@@ -70,10 +74,14 @@ class RoundPipeConfig:
     num_microbatch: Optional[int] = None
     optim_dtype: Optional[torch.dtype] = None
     optimizer_state: str = "fp32"
+    frozen_weights: Optional[str] = None
     wrap_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         _optimizer_state.check("RoundPipeConfig", self.optimizer_state)
+        if self.frozen_weights is not None and self.frozen_weights not in FORMATS:
+            raise ValueError(f"RoundPipeConfig: frozen_weights must be one of {', '.join(map(repr, FORMATS))} or "
+                             f"None, got {self.frozen_weights!r}")
 
 
 # TrainingArguments.optim values that ask for AdamW itself, which
@@ -261,6 +269,8 @@ class RoundPipeTrainerMixin:
             elif config.optimizer_state == "compact":
                 kwargs["optim_dtype"] = _optimizer_state.optim_dtype_for(
                     f"{type(self).__name__}: RoundPipeConfig", self.model, "compact")
+            if config.frozen_weights is not None:
+                kwargs["frozen_weights"] = config.frozen_weights
             kwargs.setdefault("name", type(self.model).__name__)
             self._roundpipe = wrap_model_to_roundpipe(self.model, **kwargs)
         return self._roundpipe
