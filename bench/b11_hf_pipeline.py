@@ -44,15 +44,9 @@ def child(paths):
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
 
-    class SleepBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    from sleep_backward import sleep_backward
 
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(2 * F)
-            return g
+    SleepBackward = sleep_backward(2 * F)
 
     def sleeping(cls):
         def forward(self, *args, **kwargs):

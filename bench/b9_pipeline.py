@@ -47,15 +47,9 @@ def child(models):
 
     torch.set_num_threads(1)
 
-    class SleepBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    from sleep_backward import sleep_backward
 
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(2 * F)
-            return g
+    SleepBackward = sleep_backward(2 * F)
 
     class Sleeping(nn.Module):
         def __init__(self, buffer=None):

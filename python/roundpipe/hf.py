@@ -87,15 +87,16 @@ def _outputs(kind):
 
 class _EmbeddingBase(nn.Module):
     """What every preset's embedding layer does with the Hugging Face
-    keywords: checks them, and starts the state the blocks pass along."""
+    keywords: checks them, starts the state the blocks pass along, and has
+    ``_embed`` fill in the hidden states and what the blocks need."""
 
     def _init_call(self, hf, moe):
         self.router_logits_default = bool(getattr(hf.config, "output_router_logits", False))
         self.moe = moe
 
-    def _start(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels,
-               num_items_in_batch, return_logits, output_router_logits, use_cache, cache, past_key_values,
-               logits_to_keep, return_dict, extra):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
+                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
         if extra:
             raise TypeError(f"unexpected keyword argument(s) {sorted(extra)}; the Hugging Face presets take "
                             f"{', '.join(_KEYWORDS)}")
@@ -116,11 +117,16 @@ class _EmbeddingBase(nn.Module):
             # Load-balancing sums over the blocks: tokens per expert, router
             # probability per expert, rows counted (transformers' formula).
             router = {"tokens": None, "probs": None, "rows": None}
-        return {
+        state = {
             "hidden_states": None, "attention_mask": attention_mask, "position_ids": position_ids,
             "labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch,
             "return_logits": return_logits, "logits_to_keep": logits_to_keep, "router": router,
         }
+        self._embed(state, input_ids, inputs_embeds)
+        return state
+
+    def _embed(self, state, input_ids, inputs_embeds):
+        raise NotImplementedError
 
 
 class HFEmbedding(_EmbeddingBase):
@@ -134,18 +140,13 @@ class HFEmbedding(_EmbeddingBase):
         self.family = family
         self._init_call(hf, family in _MOE_FAMILIES)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
-                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
-        state = self._start(input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels,
-                            num_items_in_batch, return_logits, output_router_logits, use_cache, cache,
-                            past_key_values, logits_to_keep, return_dict, extra)
+    def _embed(self, state, input_ids, inputs_embeds):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        position_ids = state["position_ids"]
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         state["cos"], state["sin"] = self.rotary_emb(hidden, position_ids)
         state["hidden_states"], state["position_ids"] = hidden, position_ids
-        return state
 
 
 class _RouterCapture(nn.Module):

@@ -100,17 +100,12 @@ class GenericEmbedding(_EmbeddingBase):
         self.num_blocks = len(stack.blocks)
         self._init_call(hf, _has_aux_loss(hf))
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                shift_labels=None, num_items_in_batch=None, return_logits=None, output_router_logits=None,
-                use_cache=None, cache=None, past_key_values=None, logits_to_keep=0, return_dict=None, **extra):
-        state = self._start(input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels,
-                            num_items_in_batch, return_logits, output_router_logits, use_cache, cache,
-                            past_key_values, logits_to_keep, return_dict, extra)
+    def _embed(self, state, input_ids, inputs_embeds):
         calls = []
         _RECORDING.calls = calls
         try:
-            self.prelude(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, use_cache=False)
+            self.prelude(input_ids=input_ids, attention_mask=state["attention_mask"],
+                         position_ids=state["position_ids"], inputs_embeds=inputs_embeds, use_cache=False)
         except _Stop:
             pass
         finally:
@@ -135,7 +130,6 @@ class GenericEmbedding(_EmbeddingBase):
             block_args.append((positional, keywords))
         state["values"] = values
         state["block_args"] = block_args
-        return state
 
 
 class GenericBlock(_RouterCapture):

@@ -6,10 +6,6 @@ the MoE architectures, every gradient and every parameter after three
 synchronous steps against plain training, three asynchronous steps against
 the one-step-delayed reference, packed sequences (position_ids restarting
 inside a row), PEFT LoRA, all fp32 to 1e-5 relative; and the loss in bf16."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -21,6 +17,7 @@ from roundpipe import RoundPipe, wrap_model_to_roundpipe
 from roundpipe.auto import WrapPathWarning
 
 import hf_tiny
+from device_reports import device_reports
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-2
@@ -201,16 +198,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf_generic") / "check.py"
-    path.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    out = {}
-    for n in (1, 3):
-        env = dict(os.environ, ROUNDPIPE_DEVICES=f"cpu:{n}")
-        done = subprocess.run([sys.executable, str(path), *hf_tiny.ARCHITECTURES], env=env, timeout=900,
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-4000:]
-        out[n] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    return device_reports(tmp_path_factory, "hf_generic", SCRIPT, args=list(hf_tiny.ARCHITECTURES))
 
 
 @pytest.mark.parametrize("devices", [1, 3])

@@ -4,10 +4,6 @@ logits, the loss (padding; whole-batch mean and num_items_in_batch over
 microbatches; the load-balancing loss of the MoE families), every gradient,
 and every parameter after three optimizer steps, fp32, 1e-5 relative."""
 import copy
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,6 +13,7 @@ import roundpipe
 from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
 
 import hf_models
+from device_reports import device_reports
 
 TOLERANCE = 1e-5
 
@@ -89,15 +86,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "check.py"
-    path.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    out = {}
-    for n in (1, 3):
-        env = dict(os.environ, ROUNDPIPE_DEVICES=f"cpu:{n}")
-        done = subprocess.run([sys.executable, str(path)], env=env, check=True, timeout=600,
-                              capture_output=True, text=True)
-        out[n] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    return device_reports(tmp_path_factory, "hf", SCRIPT, timeout=600)
 
 
 @pytest.mark.parametrize("devices", [1, 3])

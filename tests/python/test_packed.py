@@ -7,10 +7,6 @@ bitsandbytes, in processes with 1 and 3 CPU devices: the loss and every
 LoRA gradient against the plain PEFT model on the same weights, the LoRA
 parameters after two asynchronous steps against the one-step-delayed
 reference, and the adapters saved as PEFT saves them."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +15,8 @@ from torch import nn
 
 from roundpipe import packed
 from roundpipe.packed import PackedLinear, pack_frozen_linears
+
+from device_reports import device_reports
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
@@ -216,15 +214,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    path = tmp_path_factory.mktemp("packed") / "check.py"
-    path.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    out = {}
-    for n in (1, 3):
-        env = dict(os.environ, ROUNDPIPE_DEVICES=f"cpu:{n}")
-        done = subprocess.run([sys.executable, str(path)], env=env, timeout=900, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-4000:]
-        out[n] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    return device_reports(tmp_path_factory, "packed", SCRIPT)
 
 
 @pytest.mark.parametrize("devices", [1, 3])
