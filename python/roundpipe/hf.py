@@ -5,13 +5,14 @@
     loss = model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids},
                                   loss_fn=lambda out, _: out.loss)
 
-``wrap_model_to_roundpipe`` (roundpipe.auto) uses a preset where there is
-one. A preset turns a ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
-``Qwen3MoeForCausalLM`` or ``GptOssForCausalLM`` into the layers of a pipeline:
-embedding | one layer per decoder block | final norm + LM head. The layers
-hold the loaded model's own modules (no second copy of any weight) and run
-transformers' code for them, so the numerics are transformers'. What the
-presets add:
+``wrap_model_to_roundpipe`` (roundpipe.auto) turns a decoder-only causal LM
+into the layers of a pipeline: embedding | one layer per decoder block |
+final norm + LM head (roundpipe.hf_generic builds them; this module holds
+their parts). ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``GptOssForCausalLM`` are the named presets: the
+same layers, with their module layout checked. The layers hold the loaded
+model's own modules (no second copy of any weight) and run transformers'
+code for them, so the numerics are transformers'. What the presets add:
 
 - The loss is transformers' ``ForCausalLMLoss`` (labels shifted inside,
   ``-100`` ignored, ``num_items_in_batch`` divides the summed loss), computed
@@ -129,26 +130,6 @@ class _EmbeddingBase(nn.Module):
         raise NotImplementedError
 
 
-class HFEmbedding(_EmbeddingBase):
-    """Layer 0: token embedding and rotary position embeddings. Takes the
-    Hugging Face keywords; returns the state the blocks pass along."""
-
-    def __init__(self, hf, family):
-        super().__init__()
-        self.embed_tokens = hf.model.embed_tokens
-        self.rotary_emb = hf.model.rotary_emb
-        self.family = family
-        self._init_call(hf, family in _MOE_FAMILIES)
-
-    def _embed(self, state, input_ids, inputs_embeds):
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        position_ids = state["position_ids"]
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        state["cos"], state["sin"] = self.rotary_emb(hidden, position_ids)
-        state["hidden_states"], state["position_ids"] = hidden, position_ids
-
-
 class _RouterCapture(nn.Module):
     """What a decoder block adds for the auxiliary load-balancing loss: the
     router logits its router modules return, accumulated block by block."""
@@ -217,39 +198,6 @@ def _has_aux_loss(hf):
     """Whether the causal LM adds transformers' load-balancing loss."""
     return all(hasattr(hf, a) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")) and \
         "router_logits" in (getattr(type(hf), "_can_record_outputs", None) or {})
-
-
-class HFDecoderBlock(_RouterCapture):
-    """One decoder block of the loaded model, with its attention mask made
-    here from the 2-D padding mask (as the model's forward makes it)."""
-
-    def __init__(self, hf, family, index):
-        super().__init__()
-        self.block = hf.model.layers[index]
-        self.config = hf.config
-        self.family = family
-        self.index = index
-        config = hf.config
-        if family == "qwen3_moe":
-            self.sliding = getattr(config, "sliding_window", None) is not None
-        else:
-            types = getattr(config, "layer_types", None)
-            self.sliding = bool(types) and types[index] == "sliding_attention"
-        self.mask_takes_positions = family != "gpt_oss"
-        self._init_router(hf)
-
-    def _mask(self, state):
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-        make = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        kwargs = {"config": self.config, "inputs_embeds": state["hidden_states"],
-                  "attention_mask": state["attention_mask"], "cache": None}
-        if self.mask_takes_positions:
-            kwargs["position_ids"] = state["position_ids"]
-        return make(**kwargs)
-
-    def forward(self, state):
-        return self._run_block(state, attention_mask=self._mask(state), position_ids=state["position_ids"],
-                               cache=None, use_cache=False, position_embeddings=(state["cos"], state["sin"]))
 
 
 class LogitTransform:
@@ -395,8 +343,9 @@ def _refuse_packed_experts(model):
 
 
 def preset_layers(model):
-    """The preset's layers for a loaded Hugging Face causal LM (they hold the
-    model's own modules), or None if there is no preset for its type."""
+    """The named preset's layers for a loaded Hugging Face causal LM (the
+    generic decoder preset's, after the checks of the family), or None if
+    its type is not one of the four families."""
     family = _family(model)
     if family is None:
         return None
@@ -409,6 +358,5 @@ def preset_layers(model):
                              "needs the module layout transformers gives it") from None
     if family in _MOE_FAMILIES:
         _refuse_packed_experts(model)
-    n = model.config.num_hidden_layers
-    blocks = [HFDecoderBlock(model, family, i) for i in range(min(n, len(model.model.layers)))]
-    return nn.Sequential(HFEmbedding(model, family), *blocks, HFHead(model, model.model.norm, model.lm_head))
+    from .hf_generic import generic_layers
+    return generic_layers(model)

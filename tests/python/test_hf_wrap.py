@@ -125,7 +125,7 @@ def test_wrapped_model_shares_the_loaded_weights_and_falls_through_to_it():
     assert model.config is hf.config and model.generation_config is hf.generation_config
     assert model.loss_function is not None and model.save_pretrained.__self__ is hf
     # The layers hold the loaded modules: no second copy of any weight.
-    assert model.model[0].embed_tokens is hf.model.embed_tokens
+    assert model.model[0].prelude.embed_tokens is hf.model.embed_tokens
     assert model.model[-1].lm_head is hf.lm_head and model.model[1].block is hf.model.layers[0]
     ours = {id(p) for p in model.parameters()}
     assert ours == {id(p) for p in params.values()}
