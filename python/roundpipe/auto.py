@@ -43,8 +43,8 @@ from ._model import (RoundPipe, _as_loss, _caller_name, check_grad_mode, check_i
                      warn_small_batch)
 from .grad_scaler import _check_no_torch_scaler
 from .microbatch import _merge_auto, _split_auto
-from .hf import _FAMILIES, _base_model, _family, merge_hf_outputs, preset_layers
-from .hf_generic import GenericDecoderUnsupported, generic_layers
+from .hf import _FAMILIES, _base_model, _family, merge_hf_outputs
+from .hf_generic import GenericDecoderUnsupported, generic_layers, preset_layers
 from .packed import pack_frozen_linears
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 

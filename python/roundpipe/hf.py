@@ -340,23 +340,3 @@ def _refuse_packed_experts(model):
                 f"wrap_model_to_roundpipe: {name or 'the model'} ({type(module).__name__}) holds packed MXFP4 "
                 "expert weights, which cannot be trained. Load the model dequantized: "
                 "from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)")
-
-
-def preset_layers(model):
-    """The named preset's layers for a loaded Hugging Face causal LM (the
-    generic decoder preset's, after the checks of the family), or None if
-    its type is not one of the four families."""
-    family = _family(model)
-    if family is None:
-        return None
-    model = _base_model(model)
-    for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(f"wrap_model_to_roundpipe: the {type(model).__name__} has no '{path}'; the preset "
-                             "needs the module layout transformers gives it") from None
-    if family in _MOE_FAMILIES:
-        _refuse_packed_experts(model)
-    from .hf_generic import generic_layers
-    return generic_layers(model)

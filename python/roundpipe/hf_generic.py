@@ -32,9 +32,10 @@ import threading
 import torch
 from torch import nn
 
-from .hf import HFHead, _EmbeddingBase, _RouterCapture, _base_model, _has_aux_loss
+from .hf import _MOE_FAMILIES, HFHead, _EmbeddingBase, _RouterCapture, _base_model, _family, _has_aux_loss, \
+    _refuse_packed_experts
 
-__all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers"]
+__all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers", "preset_layers"]
 
 # Architectures whose generic preset is tested against transformers
 # (tests/python/test_hf_generic.py).
@@ -240,3 +241,22 @@ def _check_against_model(hf, layers):
     if got.shape != expected.shape or float((got.float() - expected.float()).abs().max()) > tolerance:
         raise GenericDecoderUnsupported("its layers, run one after the other, do not give the model's logits "
                                         "(its forward does more than embedding | blocks | final norm | LM head)")
+
+
+def preset_layers(model: nn.Module) -> "nn.Sequential | None":
+    """The named preset's layers for a loaded Hugging Face causal LM (the
+    generic decoder preset's, after the checks of the family), or None if
+    its type is not one of the four families."""
+    family = _family(model)
+    if family is None:
+        return None
+    model = _base_model(model)
+    for path in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"wrap_model_to_roundpipe: the {type(model).__name__} has no '{path}'; the preset "
+                             "needs the module layout transformers gives it") from None
+    if family in _MOE_FAMILIES:
+        _refuse_packed_experts(model)
+    return generic_layers(model)
