@@ -9,6 +9,7 @@
 #include "engine/layer_handle.h"
 #include "engine/lifetime.h"
 #include "python/native_module.h"
+#include "python/package_helpers.h"
 #include "python/py_layer.h"
 #include "python/python_common.h"
 #include "python/run_config.h"
@@ -279,6 +280,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "The roundpipe engine (C++); use the roundpipe package.";
   set_wait_forbidden_check(&holds_gil);
   py::register_exception_translator(&translate_errors);
+  bind_package_helpers(m);
   bind_values(m);
   bind_optim(m);
   bind_grad_scaler(m);

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "python/package_helpers.h"
 #include "python/values.h"
 
 namespace roundpipe {
@@ -29,7 +30,7 @@ std::vector<at::Tensor> tensor_list(const py::handle& list) {
 class PyModuleLayer final : public PyLayer {
  public:
   PyModuleLayer(const py::object& module, int64_t index) {
-    py::object adapter = py::module_::import("roundpipe._layers").attr("LayerAdapter")(module, index);
+    py::object adapter = package_helpers().layer_adapter(module, index);
     adapter_ = SharedPyObject(adapter);
     type_name_ = adapter.attr("type_name").cast<std::string>();
     params_ = named_tensors(adapter.attr("param_names"), adapter.attr("params"));

@@ -1,6 +1,7 @@
 // Run configuration, split/merge specs and functions from Python.
 #include "python/run_config.h"
 
+#include "python/package_helpers.h"
 #include "python/values.h"
 
 namespace roundpipe {
@@ -171,8 +172,7 @@ py::object plan_to_python(const ModelExecutePlan& plan) {
     for (const auto& r : list) out.append(py::module_::import("builtins").attr("range")(r.begin, r.end));
     return out;
   };
-  return py::module_::import("roundpipe.plan").attr("ModelExecutePlan")(ranges(plan.fwd_plan),
-                                                                          ranges(plan.bwd_plan));
+  return package_helpers().execute_plan(ranges(plan.fwd_plan), ranges(plan.bwd_plan));
 }
 
 RunConfig to_run_config(const py::handle& config) {

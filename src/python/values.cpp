@@ -4,6 +4,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 
+#include "python/package_helpers.h"
 #include "python/run_config.h"
 #include "util/value_tree.h"
 
@@ -43,12 +44,6 @@ struct PyNode : OpaqueLeaf {
   SharedPyObject node_type;
   SharedPyObject context;
 };
-
-// roundpipe._values: flatten_node / unflatten_node over torch's pytree registry.
-py::module_& helpers() {
-  static py::module_* mod = new py::module_(py::module_::import("roundpipe._values"));
-  return *mod;
-}
 
 template <typename T>
 T* capsule_as(const c10::IValue& v) {
@@ -101,7 +96,7 @@ c10::IValue to_ivalue(const py::handle& obj) {
     return dict;
   }
   if (py::isinstance<PyMicrobatchValues>(obj)) return py::cast<const PyMicrobatchValues&>(obj).value;
-  py::object node = helpers().attr("flatten_node")(obj);
+  py::object node = package_helpers().flatten_node(obj);
   if (!node.is_none()) {
     auto parts = node.cast<py::tuple>();  // (node_type, children, context)
     std::vector<c10::IValue> items;
@@ -132,7 +127,7 @@ py::object to_python(const c10::IValue& v) {
       if (auto* node = capsule_as<PyNode>(elems[0])) {
         py::list children;
         for (size_t i = 1; i < elems.size(); ++i) children.append(to_python(elems[i]));
-        return helpers().attr("unflatten_node")(node->node_type.get(), children, node->context.get());
+        return package_helpers().unflatten_node(node->node_type.get(), children, node->context.get());
       }
     }
     py::tuple out(elems.size());
