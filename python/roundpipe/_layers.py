@@ -11,13 +11,22 @@ import threading
 
 import torch
 
-# torch.nn.utils.parametrize keeps one cache for the whole process, switched
-# on by its cached() context, which PEFT's LoRA on parameters (ParamWrapper,
-# e.g. on a mixture of experts' stacked weights) enters on every forward. Two
-# devices running such layers at once would share it: one would compute with
-# the other's (or its own earlier) parametrized weight and its graph. Their
-# calls take turns.
+# torch.nn.utils.parametrize keeps one cache for the whole process, keyed by
+# module, and switched on while any thread is inside its cached() context,
+# which PEFT's LoRA on parameters (ParamWrapper, e.g. on a mixture of experts'
+# stacked weights) enters on every forward. With another thread inside such a
+# context (another device, or the caller's own PEFT model), a layer's entries
+# outlive its call, and its recomputation would reuse a weight whose graph
+# was already freed. So such layers take turns, and their entries are dropped
+# before and after each call.
 _PARAMETRIZE_LOCK = threading.Lock()
+
+
+def _forget_cached(module_ids):
+    from torch.nn.utils import parametrize
+    cache = parametrize._cache
+    for key in [k for k in list(cache) if k[0] in module_ids]:
+        cache.pop(key, None)
 
 
 def _uses_parametrize(module):
@@ -61,6 +70,7 @@ class Replica:
     def __init__(self, master, module, param_names, buffer_names, serialized=False):
         self.module = module
         self.turns = _PARAMETRIZE_LOCK if serialized else contextlib.nullcontext()
+        self.parametrized_ids = {id(m) for m in module.modules()} if serialized else None
         # The replica mirrors the master's training flags (set per submodule).
         self.pairs = list(zip(master.modules(), module.modules()))
         self.params = [module.get_parameter(n) for n in param_names]
@@ -74,7 +84,13 @@ class Replica:
         for master, replica in self.pairs:
             replica.training = master.training
         with self.turns:
-            return self.module(*args, **kwargs)
+            if self.parametrized_ids is None:
+                return self.module(*args, **kwargs)
+            _forget_cached(self.parametrized_ids)
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                _forget_cached(self.parametrized_ids)
 
     def restore_buffers(self):
         """Puts the bound buffer variables back into the module's slots."""

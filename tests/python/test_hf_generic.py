@@ -282,3 +282,26 @@ def test_layers_with_parametrized_weights_take_turns():
     assert replica.turns is _layers._PARAMETRIZE_LOCK
     plain = _layers.LayerAdapter(hf_tiny.tiny_model("mistral").model.layers[0], 1).make_replica()
     assert plain.turns is not _layers._PARAMETRIZE_LOCK
+
+
+def test_a_parametrize_cache_held_open_by_the_caller_does_not_leak_into_the_layers():
+    """The caller's own PEFT model (or any code) inside torch's
+    parametrize.cached() switches the process-wide cache on: the layers'
+    entries must still not outlive their call (the recomputation would take
+    the forward's weight, whose graph is freed)."""
+    import peft
+    from torch.nn.utils import parametrize
+    from roundpipe import OptimizerCtx, RoundPipeRunConfig
+    hf = peft.get_peft_model(hf_tiny.tiny_model("mixtral", output_router_logits=False),
+                             peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with OptimizerCtx():
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    ids = torch.randint(0, hf_tiny.VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    with parametrize.cached():
+        for _ in range(2):
+            loss = net.forward_backward(input_kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda o, _: o.loss)
+            net.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    assert torch.isfinite(torch.as_tensor(loss))
