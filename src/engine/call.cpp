@@ -232,4 +232,10 @@ void Call::wait_all() {
   if (error != nullptr) rethrow_with_context(error, context);
 }
 
+CallGradients Call::take_gradients() {
+  CallGradients out{record ? record->call_id : 0, std::move(grads)};
+  grads.clear();
+  return out;
+}
+
 }  // namespace roundpipe

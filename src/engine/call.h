@@ -17,6 +17,7 @@
 
 #include "engine/autocast_state.h"
 #include "engine/buffer_handoff.h"
+#include "engine/gradient_sums.h"
 #include "engine/layer_handle.h"
 #include "engine/param_gate.h"
 #include "engine/recompute_context.h"
@@ -179,6 +180,9 @@ class Call {
   // Blocks until every microbatch's loss is on the host; false when the call
   // failed first (wait_all() then says why). Interruptible like wait_all.
   bool wait_losses();
+  // After wait_all(): the gradients the jobs downloaded, moved out of the
+  // call (so they are freed with their sum, not with the call).
+  CallGradients take_gradients();
 
  private:
   // Waits until every job finished and every copy of the call completed or

@@ -254,13 +254,12 @@ void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model) {
 }
 
 void quiesce_for_checkpoint(RoundPipe::Impl& model) {
-  ModelUseLock::Scope use(model.use, "save_checkpoint");
+  ModelUseLock::Scope use(model.use(), "save_checkpoint");
   model.quiesce();
 }
 
 std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
   if (!tensor.defined()) return nullptr;
-  const c10::TensorImpl* wanted = tensor.unsafeGetTensorImpl();
   std::vector<std::shared_ptr<RoundPipe::Impl>> live;
   {
     std::lock_guard<std::mutex> lock(registry_mu());
@@ -270,42 +269,23 @@ std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
     }
   }
   for (const auto& m : live) {
-    for (const HostParam& p : m->store->params()) {
-      if (p.master.unsafeGetTensorImpl() == wanted) return m;
-      if (p.optim.defined() && p.optim.unsafeGetTensorImpl() == wanted) return m;
-    }
-    for (const auto& layer : m->layers) {
-      for (const auto& [name, b] : layer->named_buffers()) {
-        if (b.unsafeGetTensorImpl() == wanted) return m;
-      }
-    }
+    if (m->holds(tensor)) return m;
   }
   return nullptr;
-}
-
-// Every layer's parameters and buffers, by model-wide name ("<layer>.<name>").
-std::vector<std::pair<std::string, at::Tensor>> named_masters(const RoundPipe::Impl& m) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (size_t l = 0; l < m.layers.size(); ++l) {
-    const std::string prefix = std::to_string(l) + ".";
-    for (auto& [name, t] : m.layers[l]->named_parameters()) out.emplace_back(prefix + name, t);
-    for (auto& [name, t] : m.layers[l]->named_buffers()) out.emplace_back(prefix + name, t);
-  }
-  return out;
 }
 
 void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const CheckpointState& state,
                           const std::string* extra) {
   TORCH_CHECK_VALUE(!path.empty(), "save_checkpoint: the path is empty");
-  ModelUseLock::Scope use(m.use, "save_checkpoint");
+  ModelUseLock::Scope use(m.use(), "save_checkpoint");
   // The step in flight finishes, but its result stays out of the masters:
   // the next calls must still see θ_{k-1}. Both generations are saved.
   m.quiesce();
   const RoundPipe::Impl::State engine = m.export_state();
-  if (ProcessGroup* group = m.optimizer.group()) {
+  if (ProcessGroup* group = m.process_group()) {
     // Gradients not yet combined differ between the processes: they would
     // be lost (or counted as rank 0's only) on resume.
-    const auto& params = m.store->params();
+    const auto& params = m.params();
     for (size_t id = 0; id < params.size(); ++id) {
       TORCH_CHECK_VALUE(!engine.accumulated[id].defined() && !engine.master_grad[id].defined(),
                         "save_checkpoint: with a process group, save after step(): '", params[id].name,
@@ -319,9 +299,9 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
   torch::serialize::OutputArchive ar;
   ar.write("format", c10::IValue(std::string(kFormat)));
   ar.write("version", c10::IValue(kVersion));
-  std::vector<std::pair<std::string, at::Tensor>> masters = named_masters(m), copies, accum, grads,
+  std::vector<std::pair<std::string, at::Tensor>> masters = m.named_state(), copies, accum, grads,
                                                    optim_grads;
-  const auto& params = m.store->params();
+  const auto& params = m.params();
   for (size_t id = 0; id < params.size(); ++id) {
     const HostParam& p = params[id];
     if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
@@ -388,7 +368,7 @@ void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const Che
 
 PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr<RoundPipe::Impl>& model) {
   RoundPipe::Impl& m = *model;
-  ModelUseLock::Scope use(m.use, "load_checkpoint");
+  ModelUseLock::Scope use(m.use(), "load_checkpoint");
   m.quiesce();
   torch::serialize::InputArchive ar;
   read_checkpoint_file(path, ar);
@@ -413,14 +393,14 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
   out.model_behind_optimizer = engine[4] != 0;
   if (out.next_call_id < 0 || out.steps_issued < 0) r.damaged("negative engine counters");
 
-  std::vector<std::pair<std::string, at::Tensor>> masters = named_masters(m), copies;
-  for (const HostParam& p : m.store->params()) {
+  std::vector<std::pair<std::string, at::Tensor>> masters = m.named_state(), copies;
+  for (const HostParam& p : m.params()) {
     if (p.optim.defined()) copies.emplace_back(p.name, p.optim);
   }
   out.copies = match(path, "parameter or buffer", masters, r.named("state"));
   for (auto& c : match(path, "optimizer copy", copies, r.named("optim"))) out.copies.push_back(std::move(c));
 
-  const auto& params = m.store->params();
+  const auto& params = m.params();
   out.accum = gradients_by_id(path, "a pending gradient", r, "accum", params,
                               [](const HostParam& p) { return c10::optional<at::ScalarType>(gradient_sum_dtype(p)); });
   out.master_grad = gradients_by_id(path, "a parameter .grad", r, "grad", params, [](const HostParam& p) {
@@ -494,13 +474,12 @@ PendingCheckpoint read_checkpoint(const std::string& path, const std::shared_ptr
 
 void PendingCheckpoint::apply() {
   RoundPipe::Impl& m = *model;
-  ModelUseLock::Scope use(m.use, "load_checkpoint");
+  ModelUseLock::Scope use(m.use(), "load_checkpoint");
   // Nothing may run while the state is replaced (a step's error stays for
   // the next call).
   m.quiesce(/*raise_step_error=*/false);
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.detach().copy_(src);
-  m.optimizer.note_model_versions();
   RoundPipe::Impl::State state;
   state.pipeline = {seed, next_call_id};
   state.optimizer = {steps_issued, model_behind_optimizer};
@@ -519,7 +498,7 @@ void save_checkpoint(const std::string& path, RoundPipe& model, const Checkpoint
 
 void load_checkpoint(const std::string& path, RoundPipe& model, CheckpointState& state) {
   // One call: the optimizer's and scaler's loads belong to it.
-  ModelUseLock::Scope use(detail::EngineAccess::impl(model)->use, "load_checkpoint");
+  ModelUseLock::Scope use(detail::EngineAccess::impl(model)->use(), "load_checkpoint");
   detail::PendingCheckpoint pending =
       detail::read_checkpoint(path, detail::EngineAccess::impl(model));
   TORCH_CHECK_VALUE(state.optimizer == nullptr || pending.optimizer != nullptr, "load_checkpoint: '", path,

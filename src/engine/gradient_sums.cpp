@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include "engine/call.h"
 #include "engine/host_store.h"
 #include "optim/kernels/kernels.h"
 
@@ -59,13 +58,12 @@ void GradientSums::add(int64_t id, const at::Tensor& grad, uint64_t sr_step) {
   }
 }
 
-void GradientSums::add(Call& call) {
+void GradientSums::add(CallGradients grads) {
   // Seeded by the call (its forward's id: the same in every run) and the job.
-  const uint64_t call_id = call.record ? static_cast<uint64_t>(call.record->call_id) : 0;
-  for (size_t j = 0; j < call.grads.size(); ++j) {
-    for (const auto& [id, grad] : call.grads[j]) add(id, grad, (call_id << 16) + j);
+  const auto call_id = static_cast<uint64_t>(grads.call_id);
+  for (size_t j = 0; j < grads.by_job.size(); ++j) {
+    for (const auto& [id, grad] : grads.by_job[j]) add(id, grad, (call_id << 16) + j);
   }
-  call.grads.clear();
 }
 
 void GradientSums::add(const GradientSums& other, uint64_t sr_step) {

@@ -3,7 +3,7 @@
 // that is bf16 (the compact configuration: the one gradient copy a parameter
 // has), in fp32 otherwise. This is the one place gradients are accumulated;
 // its transitions are named:
-//   add(call)           a successful call's gradients, taken out of it in job
+//   add(grads)          a successful call's gradients, taken out of it in job
 //                       order (so a sum does not depend on which devices ran
 //                       the jobs)
 //   take(store)         a step takes the sums of the parameters that have an
@@ -27,13 +27,20 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace roundpipe {
 
-class Call;
 class HostStore;
 struct HostParam;
+
+// A finished call's gradients, as its jobs downloaded them.
+struct CallGradients {
+  int64_t call_id = 0;  // its forward's: seeds the stochastic rounding of bf16 sums
+  std::vector<std::vector<std::pair<int64_t, at::Tensor>>>
+      by_job;  // [job]: (parameter id, host grad)
+};
 
 // The dtype a parameter's gradient sum is kept in: bf16 where its optimizer
 // copy is bf16, fp32 otherwise.
@@ -49,9 +56,9 @@ class GradientSums {
   // gradient_sum_dtype of each parameter.
   static std::vector<at::ScalarType> sum_dtypes(const HostStore& store);
 
-  // Takes the call's gradients: the call holds none afterwards (its host
+  // Sums a call's gradients in job order and lets go of them (their host
   // downloads are freed as soon as nothing else holds them).
-  void add(Call& call);
+  void add(CallGradients grads);
   // Out of place: `other`'s tensors may be the user's. `sr_step` seeds the
   // stochastic rounding of bf16 sums (distinct per use).
   void add(const GradientSums& other, uint64_t sr_step);

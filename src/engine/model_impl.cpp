@@ -9,7 +9,6 @@
 #include "engine/lifetime.h"
 #include "engine/rng.h"
 #include "engine/trace_recorder.h"
-#include "optim/optimizer_thread.h"
 #include "runtime/device_pool.h"
 
 namespace roundpipe {
@@ -62,104 +61,118 @@ std::shared_ptr<RoundPipe::Impl> RoundPipe::Impl::create(
                                [](Impl* impl) { destroy_where_allowed([impl] { delete impl; }); });
 }
 
-RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers_in, RoundPipeOptions options,
-                      torch::nn::Sequential seq_in)
-    : name(options.name),
-      defaults(options.run_config),
-      seq(std::move(seq_in)),
-      layers(std::move(layers_in)),
-      num_devices(devices_of(options.max_devices, options)),
-      overlap_iterations(options.overlap_iterations),
-      store(
+RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers, RoundPipeOptions options,
+                      torch::nn::Sequential seq)
+    : name_(options.name),
+      defaults_(options.run_config),
+      seq_(std::move(seq)),
+      layers_(std::move(layers)),
+      num_devices_(devices_of(options.max_devices, options)),
+      overlap_iterations_(options.overlap_iterations),
+      store_(
           (Tracer::instance(),  // starts tracing when ROUNDPIPE_TRACE is set
-           std::make_unique<HostStore>(with_replicas(layers, num_devices), options.pin_model,
+           std::make_unique<HostStore>(with_replicas(layers_, num_devices_), options.pin_model,
                                        !DevicePool::instance().device(0).torch_device().is_cpu()))),
-      planner(num_devices, overlap_iterations, store->layer_param_bytes()),
-      gradients(GradientSums::sum_dtypes(*store)),
-      optimizer(name, *store, num_layers(),
-                options.sync_warmup_steps.value_or(get_sync_warmup_steps()), options.process_group,
-                options.gradient_reduction),
-      pipeline(name, layers, *store, optimizer.gate(), planner, gradients, num_devices,
-               options.process_group ? options.process_group->rank() : 0,
-               initial_seed(options, *store, layers)) {
-  if (defaults.num_microbatch()) {
-    TORCH_CHECK_VALUE(*defaults.num_microbatch() >= 1, "num_microbatch must be >= 1, got ",
-                      *defaults.num_microbatch());
+      planner_(num_devices_, overlap_iterations_, store_->layer_param_bytes()),
+      gradients_(GradientSums::sum_dtypes(*store_)),
+      optimizer_(name_, *store_, num_layers(),
+                 options.sync_warmup_steps.value_or(get_sync_warmup_steps()), options.process_group,
+                 options.gradient_reduction),
+      pipeline_(name_, layers_, *store_, optimizer_.gate(), planner_, gradients_, num_devices_,
+                options.process_group ? options.process_group->rank() : 0,
+                initial_seed(options, *store_, layers_)) {
+  if (defaults_.num_microbatch()) {
+    TORCH_CHECK_VALUE(*defaults_.num_microbatch() >= 1, "num_microbatch must be >= 1, got ",
+                      *defaults_.num_microbatch());
   }
-  if (defaults.execute_plan()) planner.check_model_plan(*defaults.execute_plan());
-  optimizer.make_copies(options.optim_dtype);
-  gradients = GradientSums(GradientSums::sum_dtypes(*store));  // in the copies' dtypes
+  if (defaults_.execute_plan()) planner_.check_model_plan(*defaults_.execute_plan());
+  optimizer_.make_copies(options.optim_dtype);
+  gradients_ = GradientSums(GradientSums::sum_dtypes(*store_));  // in the copies' dtypes
   // Packing into arenas and cloning replicas freed about the model's size
   // of heap memory: give it back to the system rather than keep it resident.
   malloc_trim(0);
 }
 
 RoundPipe::Impl::~Impl() {
-  // The calls steps finish belong in the trace too (a trace written at exit
-  // shows every call).
+  // The steps queued end before the parts go (the pipeline, destroyed
+  // first, waits for its calls).
   try {
-    optimizer.drain();
+    optimizer_.drain();
   } catch (...) {
   }
-  for (const auto& call : optimizer.take_finished_calls()) Pipeline::add_to_trace(*call);
+}
+
+void RoundPipe::Impl::train(bool on) {
+  if (seq_) {
+    seq_->train(on);
+  } else {
+    for (auto& l : layers_) l->train(on);
+  }
+}
+
+torch::nn::Sequential& RoundPipe::Impl::sequential() {
+  TORCH_CHECK(!seq_.is_empty(), "RoundPipe '", name_, "' was not built from a Sequential");
+  return seq_;
+}
+
+ModelExecutePlan RoundPipe::Impl::default_execute_plan(RunKind kind) {
+  planner_.plan(kind, num_devices_ + 1);  // starts a search if one is due
+  planner_.wait_for_search();
+  return planner_.plan(kind, num_devices_ + 1);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> RoundPipe::Impl::named_state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const std::string prefix = std::to_string(l) + ".";
+    for (auto& [name, t] : layers_[l]->named_parameters()) out.emplace_back(prefix + name, t);
+    for (auto& [name, t] : layers_[l]->named_buffers()) out.emplace_back(prefix + name, t);
+  }
+  return out;
+}
+
+bool RoundPipe::Impl::holds(const at::Tensor& tensor) const {
+  if (!tensor.defined()) return false;
+  const c10::TensorImpl* wanted = tensor.unsafeGetTensorImpl();
+  for (const HostParam& p : store_->params()) {
+    if (p.master.unsafeGetTensorImpl() == wanted) return true;
+    if (p.optim.defined() && p.optim.unsafeGetTensorImpl() == wanted) return true;
+  }
+  for (const auto& layer : layers_) {
+    for (const auto& [name, b] : layer->named_buffers()) {
+      if (b.unsafeGetTensorImpl() == wanted) return true;
+    }
+  }
+  return false;
 }
 
 void RoundPipe::Impl::begin_call(bool raise_step_error) {
   if (DevicePool::instance().device(0).torch_device().is_cpu()) prepare_keyed_runs();
-  pipeline.record_finished(optimizer.take_finished_calls());
+  pipeline_.finish_handed_calls(/*wait=*/false);
   // Jobs wait for their layers' parameters themselves (ParamGate).
-  if (raise_step_error) optimizer.rethrow_step_error();
+  if (raise_step_error) optimizer_.rethrow_step_error();
 }
 
 void RoundPipe::Impl::quiesce(bool raise_step_error) {
-  pipeline.finish_in_flight();
-  optimizer.drain();
+  pipeline_.finish_in_flight();
+  optimizer_.drain();
+  pipeline_.finish_handed_calls(/*wait=*/true);  // done with: the steps are
   begin_call(raise_step_error);
 }
 
-void RoundPipe::Impl::step(StepFn step_fn, bool is_async) {
-  TORCH_CHECK_VALUE(static_cast<bool>(step_fn), "step: step_fn is empty");
-  const bool delayed = optimizer.begin_step(is_async);
-  // A synchronous step leaves nothing running: the call in flight is
-  // applied here (its buffers too), its failure raised before the step.
-  if (!delayed) pipeline.finish_in_flight();
-  // Where run_on_optimizer_thread goes (the optimizer side lives as long as
-  // the model it is posted through is held).
-  detail::note_stepping_model(weak_from_this(), [side = &optimizer](std::function<void()> task) {
-    side->post(std::move(task));
-  });
-  // The gradients of every call issued so far: those applied, then the call
-  // in flight's (summed on the optimizer thread once its jobs are done),
-  // then what synchronize() left in .grad. Later calls sum afresh.
-  GradientSums taken = gradients.take(*store);
-  GradientSums model_grads = GradientSums::take_model_grads(*store);
-  optimizer.step(std::move(step_fn), delayed, std::move(taken), std::move(model_grads),
-                 pipeline.take_in_flight());
-}
-
-void RoundPipe::Impl::synchronize() {
-  quiesce();
-  optimizer.catch_up_model();
-  gradients.move_to_model_grads(*store);
-  // Nothing is running: what the allocator kept of the steps' freed
-  // gradients and buffers goes back to the system (a training loop does not
-  // call synchronize, so the pages are not faulted in again every step).
-  malloc_trim(0);
-}
-
 void RoundPipe::Impl::wait_state_current() {
-  if (optimizer.on_this_thread()) return;
-  pipeline.apply_unwritten_buffers();
-  optimizer.wait_published();
+  if (optimizer_.on_this_thread()) return;
+  pipeline_.make_host_buffers_current();
+  optimizer_.wait_published();
 }
 
 RoundPipe::Impl::State RoundPipe::Impl::export_state() const {
   State s;
-  s.pipeline = pipeline.state();
-  s.optimizer = optimizer.state();
-  s.timer = planner.timer().state();
-  s.accumulated = gradients.by_id();
-  for (const HostParam& p : store->params()) {
+  s.pipeline = pipeline_.state();
+  s.optimizer = optimizer_.state();
+  s.timer = planner_.timer().state();
+  s.accumulated = gradients_.by_id();
+  for (const HostParam& p : store_->params()) {
     s.master_grad.push_back(p.master.grad());
     s.optim_grad.push_back(p.optim.defined() ? p.optim.grad() : at::Tensor());
   }
@@ -167,7 +180,8 @@ RoundPipe::Impl::State RoundPipe::Impl::export_state() const {
 }
 
 void RoundPipe::Impl::import_state(State s) {
-  auto& params = store->params();
+  optimizer_.note_model_versions();  // what the parameters hold now is the engine's
+  auto& params = store_->params();
   for (size_t id = 0; id < params.size(); ++id) {
     HostParam& p = params[id];
     if (s.master_grad[id].defined()) {
@@ -182,10 +196,10 @@ void RoundPipe::Impl::import_state(State s) {
       p.optim.mutable_grad().reset();
     }
   }
-  gradients = GradientSums(GradientSums::sum_dtypes(*store), std::move(s.accumulated));
-  pipeline.load_state(s.pipeline);
-  optimizer.load_state(s.optimizer);
-  planner.timer().load_state(s.timer);
+  gradients_ = GradientSums(GradientSums::sum_dtypes(*store_), std::move(s.accumulated));
+  pipeline_.load_state(s.pipeline);
+  optimizer_.load_state(s.optimizer);
+  planner_.timer().load_state(s.timer);
 }
 
 }  // namespace roundpipe

@@ -5,13 +5,14 @@
 
 #include <future>
 
-#include "engine/call.h"
 #include "engine/host_store.h"
 #include "engine/model_use.h"
 #include "engine/trace_recorder.h"
 #include "optim/kernels/kernels.h"
 #include "optim/optimizer_thread.h"
 #include "roundpipe/optimizer.h"
+#include "runtime/device.h"
+#include "util/contextual_error.h"
 #include "util/interrupt.h"
 
 namespace roundpipe {
@@ -114,13 +115,6 @@ void OptimizerSide::record_error(std::exception_ptr error, const std::string& co
   }
 }
 
-std::vector<std::shared_ptr<Call>> OptimizerSide::take_finished_calls() {
-  std::vector<std::shared_ptr<Call>> calls;
-  std::lock_guard<std::mutex> lock(mu_);
-  calls.swap(finished_calls_);
-  return calls;
-}
-
 void OptimizerSide::drain() {
   // Shared: an interrupted wait returns while the task is still queued.
   auto done = std::make_shared<std::promise<void>>();
@@ -133,7 +127,7 @@ void OptimizerSide::wait_published() const {
   if (!thread_->on_this_thread()) gate_->wait_all(gate_->issued());
 }
 
-void OptimizerSide::write_model_parameters(int64_t generation, Call* reading) {
+void OptimizerSide::write_model_parameters(int64_t generation, const GradientsInFlight* reading) {
   at::NoGradGuard no_grad;
   try {
     // Layer by layer, in model order (deepest first while a call still
@@ -165,7 +159,7 @@ bool OptimizerSide::begin_step(bool is_async) {
 }
 
 void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
-                         GradientSums model_grads, std::shared_ptr<Call> in_flight) {
+                         GradientSums model_grads, std::shared_ptr<GradientsInFlight> in_flight) {
   take_changed_parameters();  // the optimizer thread is idle (begin_step)
   const int64_t k = ++steps_issued_;
   // A synchronous step after a delayed one: the model still holds the step
@@ -179,7 +173,8 @@ void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
                                                                        std::move(model_grads));
   thread_->post([this, taken, call = std::move(in_flight), step_fn = std::move(step_fn), delayed,
                  catch_up, generation, k, trace] {
-    run_step(step_fn, delayed, catch_up, taken->first, taken->second, call, generation, k, trace);
+    run_step(step_fn, delayed, catch_up, taken->first, taken->second, call.get(), generation, k,
+             trace);
   });
   if (!delayed) {
     gate_->wait_all(generation);  // the model holds θ_k
@@ -187,9 +182,9 @@ void OptimizerSide::step(StepFn step_fn, bool delayed, GradientSums gradients,
   }
 }
 
-void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up, GradientSums& gradients,
-                             const GradientSums& model_grads, const std::shared_ptr<Call>& call,
-                             int64_t generation, int64_t k, bool trace) {
+void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up,
+                             GradientSums& gradients, const GradientSums& model_grads,
+                             GradientsInFlight* call, int64_t generation, int64_t k, bool trace) {
   detail::begin_step_task();
   const std::string context = "in RoundPipe model '" + name_ + "': step " + std::to_string(k);
   // Optimizer-row events of the timeline trace.
@@ -210,7 +205,7 @@ void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up,
     // this step_fn runs (θ_{k-1}); written first, so they can start.
     const double start = host_now_ms();
     try {
-      write_model_parameters(generation, call.get());
+      write_model_parameters(generation, call);
     } catch (...) {
       ok = false;
       record_error(std::current_exception(), context);
@@ -219,13 +214,11 @@ void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up,
   }
   if (call) {
     try {
-      call->wait_all();
+      call->wait();  // the pipeline applies the rest of the call from here on
     } catch (...) {  // its gradients are not applied, and this step_fn does not run
       ok = false;
       record_error(std::current_exception(), context);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    finished_calls_.push_back(call);  // timings, trace and buffers, on the user thread
   }
   const double step_start = host_now_ms();
   // Handed off even when the call failed: with a process group, every
@@ -233,7 +226,7 @@ void OptimizerSide::run_step(const StepFn& step_fn, bool delayed, bool catch_up,
   try {
     at::NoGradGuard no_grad;
     if (call && ok)
-      gradients.add(*call);  // after the ones summed before it, as commit() would have
+      gradients.add(call->take());  // after the ones summed before it, as Pipeline::apply would
     // Seeds of the stochastic rounding of bf16 sums: apart from the calls'
     // (GradientSums::add) by the top bits, distinct per step.
     const uint64_t step_seed = static_cast<uint64_t>(k);

@@ -6,17 +6,18 @@
 //
 // One step, top to bottom (docs/design/engine.md):
 //   user thread: begin_step() drains the previous step and raises its error;
-//     step() takes the gradients summed so far and the call still in flight,
-//     opens a write of the parameter gate, and queues the step task;
+//     step() takes the gradients summed so far and those of the call still
+//     in flight (GradientsInFlight), opens a write of the parameter gate,
+//     and queues the step task;
 //   optimizer thread: (delayed) the copies -> the model, layer by layer, as
-//     the call in flight stops reading each layer; the call finished; its
+//     the call in flight stops reading each layer; the call done; its
 //     gradients and the taken ones summed, reduced across processes, handed
 //     to the copies' .grad; step_fn; (synchronous) the copies -> the model.
 //
 // Thread-safety: the public functions belong to the model's user thread,
 // except post() and on_this_thread() (any thread). The step task runs on the
-// optimizer thread; what it shares with the user thread (the step error, the
-// calls it finished) is guarded by mu_, the parameters by the gate.
+// optimizer thread; what it shares with the user thread (the step error) is
+// guarded by mu_, the parameters by the gate.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +32,7 @@
 
 #include "engine/data_parallel.h"
 #include "engine/gradient_sums.h"
+#include "engine/gradients_in_flight.h"
 #include "engine/param_gate.h"
 #include "roundpipe/distributed.h"
 #include "roundpipe/model.h"
@@ -38,7 +40,6 @@
 
 namespace roundpipe {
 
-class Call;
 class HostStore;
 
 class OptimizerSide {
@@ -65,7 +66,7 @@ class OptimizerSide {
   // `model_grads` (what synchronize() left in .grad). A synchronous step
   // returns once the model holds its result.
   void step(StepFn step_fn, bool delayed, GradientSums gradients, GradientSums model_grads,
-            std::shared_ptr<Call> in_flight);
+            std::shared_ptr<GradientsInFlight> in_flight);
   // After a quiesce: the model brought to the latest step's result (after a
   // delayed step it holds the one before).
   void catch_up_model();
@@ -74,9 +75,6 @@ class OptimizerSide {
   void drain();
   // Rethrows (once) the first error of an asynchronous step_fn.
   void rethrow_step_error();
-  // The calls whose completion a step awaited, for the user thread to
-  // record (timings, trace, buffers).
-  std::vector<std::shared_ptr<Call>> take_finished_calls();
 
   // The parameter gate: calls wait on it layer by layer.
   const ParamGate& gate() const { return *gate_; }
@@ -104,7 +102,7 @@ class OptimizerSide {
   void model_written() { model_behind_ = false; }
 
  private:
-  void write_model_parameters(int64_t generation, Call* reading = nullptr);
+  void write_model_parameters(int64_t generation, const GradientsInFlight* reading = nullptr);
   // model parameter -> optimizer copy for every parameter changed in place
   // from outside since the engine last wrote it (its version counter moved:
   // a load_state_dict into the wrapped model, an in-place op), so the next
@@ -116,8 +114,8 @@ class OptimizerSide {
   // `catch_up`: write the copies into the model before step_fn (a
   // synchronous step after a delayed one).
   void run_step(const StepFn& step_fn, bool delayed, bool catch_up, GradientSums& gradients,
-                const GradientSums& model_grads, const std::shared_ptr<Call>& call,
-                int64_t generation, int64_t k, bool trace);
+                const GradientSums& model_grads, GradientsInFlight* call, int64_t generation,
+                int64_t k, bool trace);
   void record_error(std::exception_ptr error, const std::string& context);
 
   const std::string name_;
@@ -135,9 +133,8 @@ class OptimizerSide {
   std::vector<int64_t> model_versions_;
 
   std::mutex mu_;
-  std::exception_ptr step_error_;                      // guarded by mu_: first error of a step_fn
-  std::string step_error_context_;                     // guarded by mu_
-  std::vector<std::shared_ptr<Call>> finished_calls_;  // guarded by mu_
+  std::exception_ptr step_error_;   // guarded by mu_: first error of a step_fn
+  std::string step_error_context_;  // guarded by mu_
 
   std::unique_ptr<GroupAttachment> attachment_;  // destroyed after the thread
   // Declared last: destroyed first, after running what is queued.

@@ -32,12 +32,16 @@ Pipeline::Pipeline(std::string name, std::vector<std::shared_ptr<LayerHandle>>& 
 }
 
 Pipeline::~Pipeline() {
-  if (!in_flight_) return;
-  try {
-    in_flight_->wait_all();
-  } catch (...) {
+  std::vector<std::shared_ptr<Call>> running;
+  for (const HandedCall& h : handed_) running.push_back(h.call);
+  if (in_flight_) running.push_back(in_flight_);
+  for (const auto& call : running) {
+    try {
+      call->wait_all();
+    } catch (...) {
+    }
+    add_to_trace(*call);  // a trace written at exit shows every call
   }
-  add_to_trace(*in_flight_);  // a trace written at exit shows every call
 }
 
 Dispatcher& Pipeline::dispatcher() {
@@ -196,7 +200,7 @@ void Pipeline::finish_in_flight() {
     forget_buffers_of(*call);
     throw;
   }
-  commit(*call);
+  apply(*call);
 }
 
 void Pipeline::discard_in_flight() {
@@ -228,26 +232,40 @@ void Pipeline::run(const std::shared_ptr<Call>& call) {
   finish(*call);
 }
 
-void Pipeline::commit(Call& call) {
-  gradients_.add(call);
-  commit_buffers(call);
+void Pipeline::apply(Call& call) {
+  gradients_.add(call.take_gradients());
+  apply_buffers(call);
 }
 
-std::shared_ptr<Call> Pipeline::take_in_flight() {
-  std::shared_ptr<Call> call = std::move(in_flight_);
+std::shared_ptr<GradientsInFlight> Pipeline::hand_to_step() {
+  if (!in_flight_) return nullptr;
+  auto gradients = std::make_shared<GradientsInFlight>(in_flight_);
+  handed_.push_back({std::move(in_flight_), gradients});
   in_flight_.reset();
-  return call;
+  return gradients;
 }
 
-void Pipeline::record_finished(const std::vector<std::shared_ptr<Call>>& calls) {
-  for (const auto& call : calls) {
-    if (call->failed()) {
+void Pipeline::finish_handed_calls(bool wait) {
+  while (!handed_.empty()) {
+    if (!wait && !handed_.front().gradients->done()) return;
+    std::shared_ptr<Call> call = std::move(handed_.front().call);
+    handed_.erase(handed_.begin());
+    try {
+      finish(*call);
+    } catch (...) {  // the step reports the failure
       forget_buffers_of(*call);
-    } else {
-      record_layer_times(*call, planner_.timer());
-      commit_buffers(*call);
+      continue;
     }
-    add_to_trace(*call);
+    apply_buffers(*call);  // its gradients are the step's
+  }
+}
+
+void Pipeline::make_host_buffers_current() {
+  if (!unwritten_buffers_) return;
+  if (in_flight_ && in_flight_->buffer_out == unwritten_buffers_) {
+    finish_in_flight();
+  } else {
+    finish_handed_calls(/*wait=*/true);
   }
 }
 
@@ -261,10 +279,10 @@ void Pipeline::add_to_trace(const Call& call) {
 }
 
 // The host buffers <- what `call`'s forward left, unless a later call's are
-// there already (a call a step finished is applied after the calls the user
-// thread finished since). A buffer no call wrote since the host buffers were
-// written is the host buffer itself: nothing to copy.
-void Pipeline::commit_buffers(const Call& call) {
+// there already (a call handed to a step may be applied after calls issued
+// later). A buffer no call wrote since the host buffers were written is the
+// host buffer itself: nothing to copy.
+void Pipeline::apply_buffers(const Call& call) {
   const int64_t id = call.record ? call.record->call_id : -1;
   bool any = false;
   for (const auto& job_buffers : call.buffers) any = any || !job_buffers.empty();
@@ -281,23 +299,6 @@ void Pipeline::commit_buffers(const Call& call) {
   }
   host_buffers_call_ = id;
   if (unwritten_buffers_ && unwritten_buffers_->call_id() <= id) unwritten_buffers_.reset();
-}
-
-void Pipeline::apply_unwritten_buffers() {
-  if (!unwritten_buffers_) return;
-  if (in_flight_ && in_flight_->buffer_out == unwritten_buffers_) finish_in_flight();
-  if (!unwritten_buffers_) return;
-  std::shared_ptr<Call> call = unwritten_call_.lock();  // taken by a step
-  if (!call) return;
-  try {
-    call->wait_all();
-  } catch (...) {  // its failure is the step's to report
-  }
-  if (call->failed()) {
-    forget_buffers_of(*call);
-  } else {
-    commit_buffers(*call);
-  }
 }
 
 void Pipeline::forget_buffers_of(const Call& call) {

@@ -1,16 +1,22 @@
 // A model's pipeline: calls built from a plan, their jobs handed to the
-// devices, and their results applied once they succeed. One lifecycle for
-// every call:
+// devices, and their results applied once they succeed. Every call ends
+// here, through one path (docs/design/engine.md, "A call's life"):
 //
 //   make_call()   the jobs of a plan, the call's random keys and buffers
 //   start()       submitted behind the call in flight (whose jobs its own
 //                 queue behind); the call in flight finished and applied;
 //                 returns at the new call's losses, which is then in flight
-//   finish_in_flight()   waits for the call in flight and applies it:
-//                 gradients into the model's GradientSums (job order),
-//                 forward buffers into the host buffers
-//   run()         start() and finish at once, for calls whose results the
-//                 caller reads (forward, backward through autograd)
+//   run()         submitted and waited for, for calls whose results the
+//                 caller reads (forward, backward through autograd); the
+//                 caller applies it with apply() once it has read them
+//   hand_to_step()   a step takes the call in flight's gradients (which it
+//                 sums once the call is done) and the order in which the call
+//                 stops reading the parameters; the rest of the call stays here
+//   finish_in_flight(), finish_handed_calls()   a call finished (timings,
+//                 trace; its failure raised, or for a handed call left to the
+//                 step to report) and applied: gradients into the model's
+//                 GradientSums (job order), forward buffers into the host
+//                 buffers
 //
 // A forward_backward stays in flight until whatever reads its effects needs
 // them (the next call, step, synchronize, state_dict, checkpoints). Buffers
@@ -19,9 +25,8 @@
 // (BufferHandoff: its downloads of what it wrote, the host tensors it read
 // for the rest), and the host buffers take them when that call is applied.
 //
-// Thread-safety: the model's user thread only. A call taken by a step
-// (take_in_flight) belongs to the optimizer thread until it hands it back
-// (record_finished).
+// Thread-safety: the model's user thread only. The GradientsInFlight a step
+// takes belongs to the optimizer thread.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -35,6 +40,7 @@
 #include "engine/buffer_handoff.h"
 #include "engine/call.h"
 #include "engine/gradient_sums.h"
+#include "engine/gradients_in_flight.h"
 #include "engine/layer_handle.h"
 #include "engine/param_gate.h"
 #include "engine/planner.h"
@@ -85,17 +91,22 @@ class Pipeline {
   // its losses); rethrows `error`.
   [[noreturn]] void cancel_in_flight(std::exception_ptr error);
   // Runs `call` to its end (after the call in flight); rethrows its first
-  // error. commit() applies it.
+  // error. apply() applies it.
   void run(const std::shared_ptr<Call>& call);
-  void commit(Call& call);
+  // A call run() finished: its gradients and buffers into the model.
+  void apply(Call& call);
 
-  // For a step: the call in flight, whose gradients the step sums itself.
-  std::shared_ptr<Call> take_in_flight();
-  // Calls a step finished: their timings, traces and buffers.
-  void record_finished(const std::vector<std::shared_ptr<Call>>& calls);
-  // The host buffers <- those of the latest call issued (what reads them,
-  // state_dict, starts here).
-  void apply_unwritten_buffers();
+  // For a step: the call in flight's gradients (null when none is in
+  // flight, or a step took them already); the call is handed until
+  // finish_handed_calls() applies the rest of it.
+  std::shared_ptr<GradientsInFlight> hand_to_step();
+  // The handed calls whose steps are done with them finished and applied,
+  // in the order they were issued (`wait`: every handed call, waiting for
+  // it). Their failures are the steps' to report.
+  void finish_handed_calls(bool wait);
+  // The host buffers hold the latest call's (what reads them, state_dict,
+  // starts here): the call whose forward wrote them last finished.
+  void make_host_buffers_current();
 
   // Adds a finished call's spans to the timeline trace (when it traced).
   static void add_to_trace(const Call& call);
@@ -114,7 +125,7 @@ class Pipeline {
   // Waits for a submitted call, records its timings and trace; rethrows its
   // first error.
   void finish(Call& call);
-  void commit_buffers(const Call& call);
+  void apply_buffers(const Call& call);
   // `call` failed: its buffers are never applied.
   void forget_buffers_of(const Call& call);
   static void wait_for_callers_streams(const Call& call);
@@ -135,11 +146,17 @@ class Pipeline {
   int64_t next_call_id_ = 0;
 
   std::shared_ptr<Call> in_flight_;
+  // Calls whose gradients steps took, not applied yet, in issue order.
+  struct HandedCall {
+    std::shared_ptr<Call> call;
+    std::shared_ptr<const GradientsInFlight> gradients;  // done(): the step is done with the call
+  };
+  std::vector<HandedCall> handed_;
   // The last call submitted returned at its losses: the dispatcher predicts
   // the next call to start with its backward stages.
   bool last_call_overlaps_ = false;
   // The forward buffers of the latest call not applied yet (in flight, or
-  // finished by a step and not recorded yet), which the next calls upload
+  // handed to a step), which the next calls upload
   // instead of the host buffers; null when the host buffers are the latest.
   std::shared_ptr<BufferHandoff> unwritten_buffers_;
   std::weak_ptr<Call> unwritten_call_;  // the call that makes unwritten_buffers_

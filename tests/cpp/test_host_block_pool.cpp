@@ -118,7 +118,7 @@ TEST(HostHandoff, AnFp32GradientSharingADownloadRunIsCopiedOutOfIt) {
   Call call;
   call.grads = {{{0, part}, {1, own}}};
   GradientSums sums({at::kFloat, at::kFloat});
-  sums.add(call);
+  sums.add(call.take_gradients());
   EXPECT_EQ(sums.by_id()[0].storage().nbytes(), 10 * sizeof(float)) << "not the whole run";
   EXPECT_TRUE(sums.by_id()[0].equal(part));
   EXPECT_TRUE(sums.by_id()[1].is_same(own)) << "memory of its own is kept as it is, not copied";
