@@ -23,17 +23,15 @@ if TYPE_CHECKING:
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 
-def _anchor(model, who):
-    """A tensor that identifies the model's engine: an optimizer copy (unique
-    to the engine), else a parameter or buffer."""
+def _engine_of(model, who):
+    """The model's engine, which the checkpoint functions of the extension take."""
     if not hasattr(model, "_engine") or not hasattr(model, "_layers"):
         raise TypeError(f"{who}: model must be a roundpipe.RoundPipe, got {type(model).__name__}")
-    for t in model.optim_parameters():
-        return t
-    for layer in model._layers:
-        for t in list(layer.parameters()) + list(layer.buffers()):
-            return t
-    raise ValueError(f"{who}: the model has no parameters or buffers; there is nothing to checkpoint")
+    if not any(True for layer in model._layers for _ in list(layer.parameters()) + list(layer.buffers())):
+        raise ValueError(f"{who}: the model has no parameters or buffers; there is nothing to checkpoint")
+    if model._engine is None:
+        raise ValueError(f"{who}: this RoundPipe model was closed")
+    return model._engine
 
 
 def save_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
@@ -50,9 +48,9 @@ def save_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"save_checkpoint: step must be an int, got {type(step).__name__}")
     path = os.fspath(path)
-    anchor = _anchor(model, "save_checkpoint")
+    engine = _engine_of(model, "save_checkpoint")
     # The optimizer's state belongs to the optimizer thread until it is idle.
-    _C.checkpoint_drain(anchor)
+    _C.checkpoint_drain(engine)
     state = {
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "optimizer_class": type(optimizer).__qualname__ if optimizer is not None else None,
@@ -61,7 +59,7 @@ def save_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    _C.save_checkpoint(path, anchor, step, "{}", buffer.getvalue())
+    _C.save_checkpoint(path, engine, step, "{}", buffer.getvalue())
 
 
 def load_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
@@ -76,7 +74,7 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], model: "RoundPipe",
     fit; the model, optimizer and scaler are then unchanged.
     """
     path = os.fspath(path)
-    pending = _C.read_checkpoint(path, _anchor(model, "load_checkpoint"))
+    pending = _C.read_checkpoint(path, _engine_of(model, "load_checkpoint"))
     state = {"optimizer": None, "scaler": None, "extra": None}
     if pending.extra is not None:
         try:

@@ -2,7 +2,6 @@
 // Gloo collectives on host tensors), or a c10d process group made elsewhere.
 #include "roundpipe/distributed.h"
 
-#include "optim/optimizer_thread.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -277,7 +276,6 @@ std::unique_ptr<ProcessGroup::Work> ProcessGroup::start_all_reduce_sum(at::Tenso
 }
 
 void ProcessGroup::Impl::wait_for_model_steps() {
-  if (on_optimizer_thread()) return;  // in a step_fn, or the model's own collectives
   std::function<void()> fn;
   {
     std::lock_guard<std::mutex> lock(mu);

@@ -210,16 +210,6 @@ void load_archive_bytes(torch::optim::Optimizer& optimizer, const std::string& b
   optimizer.load(ar);
 }
 
-std::mutex& registry_mu() {
-  static std::mutex mu;
-  return mu;
-}
-
-std::vector<std::weak_ptr<RoundPipe::Impl>>& registry() {
-  static std::vector<std::weak_ptr<RoundPipe::Impl>> models;
-  return models;
-}
-
 void write_checkpoint_file(const std::string& path, torch::serialize::OutputArchive& ar) {
   CheckpointFileWriter writer(path);
   // An interrupt stops the writing (the archive writer calls back from C
@@ -246,32 +236,9 @@ void write_checkpoint_file(const std::string& path, torch::serialize::OutputArch
 
 }  // namespace
 
-void note_live_model(const std::shared_ptr<RoundPipe::Impl>& model) {
-  std::lock_guard<std::mutex> lock(registry_mu());
-  auto& models = registry();
-  models.erase(std::remove_if(models.begin(), models.end(), [](const auto& m) { return m.expired(); }), models.end());
-  models.push_back(model);
-}
-
 void quiesce_for_checkpoint(RoundPipe::Impl& model) {
   ModelUseLock::Scope use(model.use(), "save_checkpoint");
   model.quiesce();
-}
-
-std::shared_ptr<RoundPipe::Impl> model_holding(const at::Tensor& tensor) {
-  if (!tensor.defined()) return nullptr;
-  std::vector<std::shared_ptr<RoundPipe::Impl>> live;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu());
-    // Newest first: a closed model may still be alive for a moment.
-    for (auto it = registry().rbegin(); it != registry().rend(); ++it) {
-      if (auto p = it->lock()) live.push_back(std::move(p));
-    }
-  }
-  for (const auto& m : live) {
-    if (m->holds(tensor)) return m;
-  }
-  return nullptr;
 }
 
 void save_checkpoint_with(const std::string& path, RoundPipe::Impl& m, const CheckpointState& state,

@@ -12,7 +12,6 @@
 #include <mutex>
 #include <vector>
 
-#include "engine/checkpoint_internal.h"
 
 namespace roundpipe {
 namespace detail {

@@ -10,12 +10,20 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <string>
 
 #include "util/atomic_file.h"
 
 namespace roundpipe {
 namespace detail {
+
+// Called by the checkpoint writer at each point it passes: "write" after each
+// chunk (bytes: written so far), "fsync" before flushing the file, "rename"
+// before renaming it over the target, "renamed" after; tests make the
+// process die there. Process-wide; null (default) for none.
+using CheckpointCrashHook = std::function<void(const char* point, uint64_t bytes)>;
+void set_checkpoint_crash_hook(CheckpointCrashHook hook);
 
 // A 64-bit hash of a byte stream in the style of xxHash64 (not bit-compatible
 // with it); the result does not depend on how the stream is cut into
@@ -38,7 +46,7 @@ class Hash64 {
 // Streams a framed archive into `path` through an AtomicFileWriter (a
 // temporary file, flushed and renamed over `path` by commit(); removed when
 // destroyed uncommitted), which reports its steps to the crash hook
-// (checkpoint_internal.h). Errors: FileError naming the file and the system
+// (set_checkpoint_crash_hook). Errors: FileError naming the file and the system
 // error.
 class CheckpointFileWriter {
  public:

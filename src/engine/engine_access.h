@@ -1,6 +1,10 @@
-// What the engine's own files reach behind RoundPipe's public interface: its
-// state (checkpoints) and a model over layers that a language binding adapted
-// itself (src/python/py_layer.h).
+// The one header through which language bindings (src/python) reach behind
+// RoundPipe's public interface: a model over layers the binding adapted
+// itself (LayerHandle, src/python/py_layer.h), where engines may be
+// destroyed (lifetime.h), the optimizer thread of the model that stepped last
+// (optimizer_thread.h: GradScaler), and checkpoints whose optimizer state the binding
+// keeps itself (checkpoint_internal.h). scripts/check-includes holds the
+// bindings to it.
 //
 // Thread-compatible, as RoundPipe.
 #pragma once
@@ -8,7 +12,10 @@
 #include <memory>
 #include <vector>
 
+#include "engine/checkpoint_internal.h"
 #include "engine/layer_handle.h"
+#include "engine/lifetime.h"
+#include "engine/optimizer_thread.h"
 #include "roundpipe/model.h"
 
 namespace roundpipe {

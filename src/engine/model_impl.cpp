@@ -131,21 +131,6 @@ std::vector<std::pair<std::string, at::Tensor>> RoundPipe::Impl::named_state() c
   return out;
 }
 
-bool RoundPipe::Impl::holds(const at::Tensor& tensor) const {
-  if (!tensor.defined()) return false;
-  const c10::TensorImpl* wanted = tensor.unsafeGetTensorImpl();
-  for (const HostParam& p : store_->params()) {
-    if (p.master.unsafeGetTensorImpl() == wanted) return true;
-    if (p.optim.defined() && p.optim.unsafeGetTensorImpl() == wanted) return true;
-  }
-  for (const auto& layer : layers_) {
-    for (const auto& [name, b] : layer->named_buffers()) {
-      if (b.unsafeGetTensorImpl() == wanted) return true;
-    }
-  }
-  return false;
-}
-
 void RoundPipe::Impl::begin_call(bool raise_step_error) {
   if (DevicePool::instance().device(0).torch_device().is_cpu()) prepare_keyed_runs();
   pipeline_.finish_handed_calls(/*wait=*/false);

@@ -99,9 +99,6 @@ class RoundPipe::Impl : public std::enable_shared_from_this<RoundPipe::Impl> {
   const std::vector<HostParam>& params() const { return store_->params(); }
   // Every layer's parameters and buffers by model-wide name ("<layer>.<name>").
   std::vector<std::pair<std::string, at::Tensor>> named_state() const;
-  // `tensor` is one of the model's parameters, optimizer copies or buffers
-  // (the same tensor object).
-  bool holds(const at::Tensor& tensor) const;
   ProcessGroup* process_group() const { return optimizer_.group(); }
 
   // Everything a checkpoint holds besides the parameters, buffers and

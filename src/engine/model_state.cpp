@@ -6,7 +6,7 @@
 #include <unordered_map>
 
 #include "engine/model_impl.h"
-#include "optim/optimizer_thread.h"
+#include "engine/optimizer_thread.h"
 #include "roundpipe/optimizer.h"
 
 namespace roundpipe {

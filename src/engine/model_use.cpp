@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "optim/optimizer_thread.h"
+#include "engine/optimizer_thread.h"
 #include "util/interrupt.h"
 #include "util/worker_thread.h"
 

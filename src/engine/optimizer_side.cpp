@@ -7,9 +7,9 @@
 
 #include "engine/host_store.h"
 #include "engine/model_use.h"
+#include "engine/optimizer_thread.h"
 #include "engine/trace_recorder.h"
 #include "optim/kernels/kernels.h"
-#include "optim/optimizer_thread.h"
 #include "roundpipe/optimizer.h"
 #include "runtime/device.h"
 #include "util/contextual_error.h"
@@ -50,8 +50,10 @@ OptimizerSide::OptimizerSide(std::string name, HostStore& store, int64_t num_lay
   TORCH_CHECK_VALUE(sync_warmup_steps >= 0, "RoundPipe: sync_warmup_steps must be >= 0, got ",
                     sync_warmup_steps);
   if (group_) {
+    // Not on an optimizer thread: in a step_fn, or the model's own
+    // collectives, the steps are what is running.
     attachment_ = std::make_unique<GroupAttachment>(group_, name_, [this] {
-      if (thread_) drain();
+      if (thread_ && !on_optimizer_thread()) drain();
     });
   }
   thread_ = std::make_unique<WorkerThread>(detail::mark_optimizer_thread);

@@ -5,7 +5,6 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "engine/checking_arguments.h"
-#include "engine/checkpoint_internal.h"
 #include "engine/engine_access.h"
 #include "engine/model_impl.h"
 #include "schedule/chrome_trace.h"
@@ -24,7 +23,6 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) {
     for (const auto& any : *model) layers.push_back(make_module_layer(any, i++));
     return Impl::create(std::move(layers), std::move(options), model);
   });
-  detail::note_live_model(impl_);
 }
 
 namespace {
@@ -47,7 +45,6 @@ RoundPipe detail::EngineAccess::from_layers(std::vector<std::shared_ptr<LayerHan
     return RoundPipe::Impl::create(checked_layers(std::move(layers)), std::move(options),
                                    torch::nn::Sequential(nullptr));
   }));
-  detail::note_live_model(model.impl_);  // found by tensor for the language bindings' checkpoints
   return model;
 }
 

@@ -1,18 +1,17 @@
 // Checkpoints for Python (python/roundpipe/checkpoint.py): the engine's state
 // is saved and restored here; the Python optimizer's and scaler's state
-// travels as opaque bytes inside the same file. A model is found by one of
-// its tensors (an optimizer copy, else a parameter or buffer).
-#include "engine/checkpoint_internal.h"
+// travels as opaque bytes inside the same file. Each function takes the
+// model's engine object (roundpipe._C.Engine).
+#include "engine/engine_access.h"
+#include "python/engine.h"
 #include "python/python_common.h"
 
 namespace roundpipe {
 namespace python {
 namespace {
 
-std::shared_ptr<RoundPipe::Impl> model_of(const at::Tensor& anchor, const char* who) {
-  std::shared_ptr<RoundPipe::Impl> model = detail::model_holding(anchor);
-  TORCH_CHECK_VALUE(model != nullptr, who, ": the model is not a live RoundPipe model (was it closed?)");
-  return model;
+std::shared_ptr<RoundPipe::Impl> model_of(const py::handle& engine, const char* who) {
+  return detail::EngineAccess::impl(engine_model(engine, who));
 }
 
 }  // namespace
@@ -20,15 +19,15 @@ std::shared_ptr<RoundPipe::Impl> model_of(const at::Tensor& anchor, const char* 
 void bind_checkpoint(py::module_& m) {
   // Waits for the model's queued optimizer work (so its optimizer's state can
   // be read) without publishing the newest step into the model's parameters.
-  m.def("checkpoint_drain", [](const at::Tensor& anchor) {
-    auto model = model_of(anchor, "save_checkpoint");
+  m.def("checkpoint_drain", [](const py::object& engine) {
+    auto model = model_of(engine, "save_checkpoint");
     InterruptScope interrupts(poll_python_signals);
     py::gil_scoped_release nogil;  // a step_fn may need the GIL
     detail::quiesce_for_checkpoint(*model);
   });
-  m.def("save_checkpoint", [](const std::string& path, const at::Tensor& anchor, int64_t step,
+  m.def("save_checkpoint", [](const std::string& path, const py::object& engine, int64_t step,
                               const std::string& metadata_json, const py::bytes& extra) {
-    auto model = model_of(anchor, "save_checkpoint");
+    auto model = model_of(engine, "save_checkpoint");
     const std::string blob = extra;
     CheckpointState state;
     state.step = step;
@@ -51,8 +50,8 @@ void bind_checkpoint(py::module_& m) {
       });
   // Reads and checks a checkpoint against the model; PendingCheckpoint.apply()
   // then writes it into the model.
-  m.def("read_checkpoint", [](const std::string& path, const at::Tensor& anchor) {
-    auto model = model_of(anchor, "load_checkpoint");
+  m.def("read_checkpoint", [](const std::string& path, const py::object& engine) {
+    auto model = model_of(engine, "load_checkpoint");
     py::gil_scoped_release nogil;
     return detail::read_checkpoint(path, model);
   });

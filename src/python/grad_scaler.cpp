@@ -1,7 +1,7 @@
 // roundpipe.GradScaler's thread-safe core (roundpipe::GradScaler), and the
 // optimizer-thread helpers the Python class uses to run its optimizer-side
 // methods where the optimizer state lives.
-#include "optim/optimizer_thread.h"
+#include "engine/engine_access.h"
 #include "python/python_common.h"
 #include "roundpipe/grad_scaler.h"
 #include "roundpipe/microbatch.h"

@@ -6,8 +6,7 @@
 #include <memory>
 
 #include "engine/engine_access.h"
-#include "engine/layer_handle.h"
-#include "engine/lifetime.h"
+#include "python/engine.h"
 #include "python/native_module.h"
 #include "python/package_helpers.h"
 #include "python/py_layer.h"
@@ -216,6 +215,20 @@ class Engine {
   std::vector<std::shared_ptr<PyLayer>> py_layers_;
   std::unique_ptr<RoundPipe> model_;
 };
+
+}  // namespace
+
+RoundPipe& engine_model(const py::handle& engine, const char* who) {
+  TORCH_CHECK_TYPE(py::isinstance<Engine>(engine), who, ": expected a RoundPipe model's engine, got ",
+                   py::str(py::type::of(engine).attr("__name__")).cast<std::string>());
+  try {
+    return engine.cast<Engine&>().model();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, who, ": ", e.what_without_backtrace());
+  }
+}
+
+namespace {
 
 // ModelExecutePlan.auto over the engines' timings (parameter sizes until
 // timings exist), planned jointly.

@@ -8,7 +8,7 @@
 
 #include <memory>
 
-#include "engine/layer_handle.h"
+#include "engine/engine_access.h"
 #include "python/python_common.h"
 
 namespace roundpipe {

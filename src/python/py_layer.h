@@ -10,7 +10,7 @@
 #include <atomic>
 #include <memory>
 
-#include "engine/layer_handle.h"
+#include "engine/engine_access.h"
 #include "python/python_common.h"
 
 namespace roundpipe {

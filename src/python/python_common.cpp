@@ -4,7 +4,7 @@
 #include <condition_variable>
 #include <mutex>
 
-#include "engine/lifetime.h"
+#include "engine/engine_access.h"
 #include "util/worker_thread.h"
 
 namespace roundpipe {

@@ -1,5 +1,5 @@
-// The scheduler simulator: an event engine over serial resources, and the
-// task graphs of RoundPipe, GPipe and 1F1B built on it (see simulator.h).
+// The RoundPipe simulation: the engine's calls, jobs and lane programs on the
+// simulator's modeled devices (simulator.h, sim_timeline.h).
 #include "schedule/simulator.h"
 
 #include <c10/util/Exception.h>
@@ -18,275 +18,16 @@
 
 #include "schedule/lane_program.h"
 #include "schedule/scheduler.h"
+#include "schedule/sim_timeline.h"
 
 namespace roundpipe {
 namespace {
 
-constexpr int kNone = -1;  // "no task": ready from time 0
-
-// A list scheduler on a virtual clock. Every task occupies one serial
-// resource for its duration and starts once the tasks it depends on have
-// ended and its resource is free; a free resource takes the waiting task
-// that became ready first, then the one added first.
-class EventEngine {
- public:
-  struct Task {
-    int resource;
-    double dur;
-    std::vector<int> next;  // tasks that depend on this one
-    int pending = 0;        // dependencies not ended yet
-    double ready = 0, start = 0, end = 0;
-  };
-
-  // A resource that runs any number of tasks at once (a pure delay).
-  static constexpr int kUnlimited = -1;
-
-  explicit EventEngine(int num_resources) : num_resources_(num_resources) {}
-
-  int add(int resource, double dur) {
-    tasks_.push_back(Task{resource, dur, {}});
-    return static_cast<int>(tasks_.size()) - 1;
-  }
-
-  // `task` starts after `on` ends (kNone: no-op).
-  void depend(int task, int on) {
-    if (on == kNone) return;
-    TORCH_INTERNAL_ASSERT(on != task, "simulator: a task depends on itself");
-    tasks_[on].next.push_back(task);
-    ++tasks_[task].pending;
-  }
-
-  void run() {
-    using Running = std::pair<double, int>;  // (end, task)
-    std::priority_queue<Running, std::vector<Running>, std::greater<Running>> running;
-    std::vector<std::vector<int>> waiting(num_resources_);
-    std::vector<char> busy(num_resources_, 0);
-    std::vector<int> touched;  // resources that may start a task now
-    double now = 0;
-    auto enqueue = [&](int id) {
-      Task& t = tasks_[id];
-      if (t.resource == kUnlimited) {  // starts as soon as it is ready
-        t.start = now;
-        t.end = now + t.dur;
-        running.emplace(t.end, id);
-        return;
-      }
-      waiting[t.resource].push_back(id);
-      touched.push_back(t.resource);
-    };
-    for (size_t id = 0; id < tasks_.size(); ++id) {
-      if (tasks_[id].pending == 0) enqueue(static_cast<int>(id));
-    }
-    size_t ended = 0;
-    for (;;) {
-      for (int r : touched) {
-        if (busy[r] || waiting[r].empty()) continue;
-        auto first = std::min_element(waiting[r].begin(), waiting[r].end(), [&](int a, int b) {
-          return std::make_pair(tasks_[a].ready, a) < std::make_pair(tasks_[b].ready, b);
-        });
-        Task& t = tasks_[*first];
-        t.start = now;
-        t.end = now + t.dur;
-        running.emplace(t.end, *first);
-        waiting[r].erase(first);
-        busy[r] = 1;
-      }
-      touched.clear();
-      if (running.empty()) break;
-      now = running.top().first;
-      while (!running.empty() && running.top().first == now) {
-        const Task& t = tasks_[running.top().second];
-        running.pop();
-        ++ended;
-        if (t.resource != kUnlimited) {
-          busy[t.resource] = 0;
-          touched.push_back(t.resource);
-        }
-        for (int n : t.next) {
-          tasks_[n].ready = std::max(tasks_[n].ready, now);
-          if (--tasks_[n].pending == 0) enqueue(n);
-        }
-      }
-    }
-    TORCH_INTERNAL_ASSERT(ended == tasks_.size(), "simulator: ", tasks_.size() - ended,
-                          " tasks never became ready (a dependency cycle)");
-  }
-
-  const Task& task(int id) const { return tasks_[id]; }
-  int size() const { return static_cast<int>(tasks_.size()); }
-
- private:
-  const int num_resources_;
-  std::vector<Task> tasks_;
-};
-
-// Microbatches per second.
-double throughput(int64_t microbatches, double ms) {
-  return ms > 0 ? 1e3 * static_cast<double>(microbatches) / ms : 0.0;
-}
-
-// Idle fraction of `devices` devices' time over `ms`, given their compute time.
-double bubble(double busy, int64_t devices, double ms) {
-  return ms > 0 ? 1.0 - busy / (static_cast<double>(devices) * ms) : 0.0;
-}
-
-// D modeled devices on an event engine: each device's four lanes are FIFO,
-// the two upload lanes share the host-to-device link, the download lane has
-// the device-to-host link. Device -1 is the host (optimizer lane).
-class Timeline {
- public:
-  Timeline(int64_t num_devices, double link_gbps, double copy_delay_ms)
-      : num_devices_(num_devices),
-        bytes_per_ms_(link_gbps * 1e6),
-        copy_delay_ms_(copy_delay_ms),
-        engine_(static_cast<int>(4 * num_devices + 1)),
-        last_(num_devices + 1, {kNone, kNone, kNone, kNone, kNone}) {}
-
-  // Adds a task on `lane` of `device` (-1: the host), after that lane's
-  // previous task. `event` describes it; its device, lane and times are set
-  // here and by run().
-  int add(int64_t device, TraceLane lane, double dur_ms, TraceEvent event) {
-    const int id = engine_.add(resource(device, lane), dur_ms);
-    int& last = last_[device + 1][static_cast<int>(lane)];
-    engine_.depend(id, last);
-    last = id;
-    event.device = device;
-    event.lane = lane;
-    events_.push_back(std::move(event));
-    iteration_of_.push_back(iteration_);
-    shown_.push_back(1);
-    return id;
-  }
-
-  // A zero-time step of `device`'s host side (its worker) after `deps`: not
-  // an event of the trace.
-  int host_step(int64_t device, const std::vector<int>& deps) {
-    const int id = engine_.add(static_cast<int>(3 * num_devices_ + 1 + device), 0.0);
-    for (int dep : deps) engine_.depend(id, dep);
-    TraceEvent event;
-    event.device = device;
-    events_.push_back(std::move(event));
-    iteration_of_.push_back(iteration_);
-    shown_.push_back(0);
-    return id;
-  }
-
-  // The last task issued on each of `device`'s lanes.
-  std::vector<int> lane_ends(int64_t device) const {
-    const auto& last = last_[device + 1];
-    return {last[static_cast<int>(TraceLane::kParamUpload)], last[static_cast<int>(TraceLane::kActUpload)],
-            last[static_cast<int>(TraceLane::kCompute)], last[static_cast<int>(TraceLane::kDownload)]};
-  }
-
-  // A transfer of `bytes` on `lane` of `device` after `after`, issued by the
-  // device's worker once `issue` ended: it starts no earlier than the copy
-  // delay after that. With no bytes there is nothing to move and the value
-  // is ready when `after` ends.
-  int transfer(int64_t device, TraceLane lane, int64_t bytes, int after, int issue, TraceEvent event) {
-    if (bytes == 0) return after;
-    event.bytes = bytes;
-    const int id = add(device, lane, static_cast<double>(bytes) / bytes_per_ms_, std::move(event));
-    depend(id, after);
-    depend(id, issue);
-    if (copy_delay_ms_ > 0) depend(id, delay(device, copy_delay_ms_, issue));
-    return id;
-  }
-
-  // A task of `ms` that starts when `after` ends and shares nothing (a
-  // copy's delay): not an event of the trace.
-  int delay(int64_t device, double ms, int after) {
-    const int id = engine_.add(EventEngine::kUnlimited, ms);
-    depend(id, after);
-    TraceEvent event;
-    event.device = device;
-    events_.push_back(std::move(event));
-    iteration_of_.push_back(iteration_);
-    shown_.push_back(0);
-    return id;
-  }
-
-  void depend(int task, int on) { engine_.depend(task, on); }
-
-  void run() {
-    engine_.run();
-    for (int id = 0; id < engine_.size(); ++id) {
-      events_[id].start_us = engine_.task(id).start * 1e3;
-      events_[id].dur_us = engine_.task(id).dur * 1e3;
-    }
-  }
-
-  double start(int id) const { return engine_.task(id).start; }
-  double end(int id) const { return engine_.task(id).end; }
-  int size() const { return engine_.size(); }
-  bool is_compute(int id) const { return shown_[id] && events_[id].lane == TraceLane::kCompute; }
-
-  // End of the last task of each iteration (after run()).
-  std::vector<double> iteration_ends(int64_t iterations) const {
-    std::vector<double> ends(iterations, 0.0);
-    for (int id = 0; id < size(); ++id) {
-      if (events_[id].device < 0 || !shown_[id]) continue;  // the optimizer is off the critical path
-      ends[iteration_of_[id]] = std::max(ends[iteration_of_[id]], end(id));
-    }
-    return ends;
-  }
-
-  // Compute time of all devices inside [from, to].
-  double busy_between(double from, double to) const {
-    double busy = 0;
-    for (int id = 0; id < size(); ++id) {
-      if (is_compute(id)) busy += std::max(0.0, std::min(end(id), to) - std::max(start(id), from));
-    }
-    return busy;
-  }
-
-  // The run's figures, taken as one iteration from time 0 to the end.
-  SimResult summary(int64_t num_microbatch) const {
-    SimResult r;
-    r.num_devices = num_devices_;
-    r.num_microbatch = num_microbatch;
-    r.busy_ms.assign(num_devices_, 0.0);
-    for (int id = 0; id < size(); ++id) {
-      r.makespan_ms = std::max(r.makespan_ms, end(id));
-      if (is_compute(id)) r.busy_ms[events_[id].device] += engine_.task(id).dur;
-    }
-    r.single_iteration_ms = r.iteration_ms = r.makespan_ms;
-    r.single_throughput = r.throughput = throughput(num_microbatch, r.makespan_ms);
-    r.single_bubble = r.bubble =
-        bubble(busy_between(0, r.makespan_ms), num_devices_, r.makespan_ms);
-    for (int id = 0; id < size(); ++id) {
-      if (shown_[id]) r.events.push_back(events_[id]);
-    }
-    return r;
-  }
-
-  // Tasks added from now on belong to `iteration`.
-  void set_iteration(int64_t iteration) { iteration_ = iteration; }
-  int64_t iteration() const { return iteration_; }
-
- private:
-  int resource(int64_t device, TraceLane lane) const {
-    if (device < 0) return static_cast<int>(3 * num_devices_);
-    switch (lane) {
-      case TraceLane::kCompute:
-        return static_cast<int>(3 * device);
-      case TraceLane::kParamUpload:
-      case TraceLane::kActUpload:
-        return static_cast<int>(3 * device + 1);
-      default:
-        return static_cast<int>(3 * device + 2);
-    }
-  }
-
-  const int64_t num_devices_;
-  const double bytes_per_ms_;
-  const double copy_delay_ms_;
-  EventEngine engine_;
-  std::vector<std::array<int, 5>> last_;  // [device + 1][lane]: the lane's last task
-  std::vector<TraceEvent> events_;        // [task]
-  std::vector<int64_t> iteration_of_;     // [task]
-  std::vector<char> shown_;               // [task]: an event of the trace (not a host step)
-  int64_t iteration_ = 0;
-};
+using sim::bubble;
+using sim::EventEngine;
+using sim::kNone;
+using sim::throughput;
+using sim::Timeline;
 
 // ---- RoundPipe ----
 
@@ -346,10 +87,10 @@ class RoundPipeSim {
     CallKind kind;
     std::vector<JobSpec> jobs;
     std::vector<JobProgram> programs;
-    std::vector<std::vector<int>> task;  // [job][op]
-    std::vector<char> saves;             // [layer]: forward jobs save this layer's input
-    std::vector<Value> in;               // [m]: the call's inputs
-    std::vector<std::vector<Value>> out; // [job][m]: what each job hands on
+    std::vector<std::vector<int>> task;   // [job][op]
+    std::vector<char> saves;              // [layer]: forward jobs save this layer's input
+    std::vector<Value> in;                // [m]: the call's inputs
+    std::vector<std::vector<Value>> out;  // [job][m]: what each job hands on
   };
 
   int64_t act(int64_t layer) const {  // bytes handed on after `layer`
@@ -362,7 +103,8 @@ class RoundPipeSim {
     const int64_t m = o_.num_microbatch;
     if (o_.overlap == IterationOverlap::kAfterLosses && losses_known_ != kNone) {
       // The caller issues this iteration once the previous call returned.
-      for (int64_t d = 0; d < o_.num_devices; ++d) host_[d] = tl_.host_step(d, {host_[d], losses_known_});
+      for (int64_t d = 0; d < o_.num_devices; ++d)
+        host_[d] = tl_.host_step(d, {host_[d], losses_known_});
     }
     if (o_.overlap == IterationOverlap::kAfterLosses) {
       previous_uploads_ = last_uploads_;
@@ -379,11 +121,13 @@ class RoundPipeSim {
       call.saves.assign(c_.num_layers(), 0);
       if (kind != CallKind::kBackward && o_.run_kind != RunKind::kInfer) {
         const size_t first = kind == CallKind::kFused ? 1 : 0;  // the fused stage saves nothing
-        for (size_t s = first; s < plan_.bwd_plan.size(); ++s) call.saves[plan_.bwd_plan[s].begin] = 1;
+        for (size_t s = first; s < plan_.bwd_plan.size(); ++s)
+          call.saves[plan_.bwd_plan[s].begin] = 1;
       }
       call.in.assign(m, Value{kNone, -1, o_.input_bytes});
       if (kind == CallKind::kBackward) {
-        for (int64_t i = 0; i < m; ++i) call.in[i] = Value{iter.outputs[i].task, -1, o_.output_bytes};
+        for (int64_t i = 0; i < m; ++i)
+          call.in[i] = Value{iter.outputs[i].task, -1, o_.output_bytes};
       }
       for (size_t j = 0; j < call.jobs.size(); ++j) add_job(call, j, iter);
       if (kind == CallKind::kForward) iter.outputs = call.out.back();
@@ -437,7 +181,8 @@ class RoundPipeSim {
   // A value made on `d` by `task`, handed to `consumer` (-1: the host).
   Value hand_off(int64_t d, int task, int64_t bytes, int64_t consumer, TraceEvent event) {
     if (consumer == d) return Value{task, d, bytes};
-    return Value{tl_.transfer(d, TraceLane::kDownload, bytes, task, host_[d], std::move(event)), -1, bytes};
+    return Value{tl_.transfer(d, TraceLane::kDownload, bytes, task, host_[d], std::move(event)), -1,
+                 bytes};
   }
 
   int compute(int64_t d, double ms, const std::vector<int>& deps, TraceEvent event) {
@@ -494,13 +239,15 @@ class RoundPipeSim {
           const JobSpec& owner = call.jobs[op.job];
           const int64_t bytes = param_bytes(owner.layers);
           // One step behind: this iteration's parameters wait for the step two before.
-          const int step = steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
+          const int step =
+              steps_.empty() || tl_.iteration() < 2 ? kNone : steps_[tl_.iteration() - 2];
           // One copy of the parameters: the step's write of a layer, which
           // this upload reads, waits until the previous call's last upload
           // of that layer completed.
           std::vector<int> written{task_of(op.after.at(0)), step};
           if (o_.overlap == IterationOverlap::kAfterLosses && !previous_uploads_.empty()) {
-            for (int64_t l = owner.layers.begin; l < owner.layers.end; ++l) written.push_back(previous_uploads_[l]);
+            for (int64_t l = owner.layers.begin; l < owner.layers.end; ++l)
+              written.push_back(previous_uploads_[l]);
           }
           if (bytes > 0) {
             t = tl_.transfer(d, TraceLane::kParamUpload, bytes, task_of(op.after.at(0)), host_[d],
@@ -530,7 +277,8 @@ class RoundPipeSim {
         case OpKind::kCompute: {
           std::vector<int> deps = inputs[m];
           for (const OpRef& ref : op.after) {
-            if (call.programs[ref.job].ops[ref.index].kind == OpKind::kUploadStage) deps.push_back(task_of(ref));
+            if (call.programs[ref.job].ops[ref.index].kind == OpKind::kUploadStage)
+              deps.push_back(task_of(ref));
           }
           if (job.kind == JobKind::kForward) {
             // Compute is split where a layer's input is saved for the backward pass.
@@ -626,32 +374,12 @@ void check_options(const SimOptions& o) {
   TORCH_CHECK_VALUE(o.optimizer_ms == 0 || o.run_kind != RunKind::kInfer,
                     "simulator: optimizer_ms is for training; set it to 0 for RunKind::kInfer");
   TORCH_CHECK_VALUE(std::isfinite(o.copy_delay_ms) && o.copy_delay_ms >= 0,
-                    "simulator: copy_delay_ms must be finite and >= 0 (0: none), got ", o.copy_delay_ms);
+                    "simulator: copy_delay_ms must be finite and >= 0 (0: none), got ",
+                    o.copy_delay_ms);
   TORCH_CHECK_VALUE(o.warmup_iterations >= 0 && o.measured_iterations >= 0,
                     "simulator: warmup_iterations and measured_iterations must be >= 0, got ",
                     o.warmup_iterations, " and ", o.measured_iterations,
                     " (measured_iterations 0 picks a count)");
-}
-
-void check_costs(const StageCosts& s, int64_t num_microbatch, double link_gbps) {
-  const size_t p = s.fwd_ms.size();
-  TORCH_CHECK_VALUE(p >= 1, "simulate_pipeline: no stage; fwd_ms needs one entry per stage");
-  TORCH_CHECK_VALUE(s.bwd_ms.size() == p && (s.output_bytes.empty() || s.output_bytes.size() == p),
-                    "simulate_pipeline: ", p, " fwd_ms entries but ", s.bwd_ms.size(),
-                    " bwd_ms and ", s.output_bytes.size(),
-                    " output_bytes: give one of each per stage");
-  for (size_t i = 0; i < p; ++i) {
-    TORCH_CHECK_VALUE(std::isfinite(s.fwd_ms[i]) && s.fwd_ms[i] >= 0 &&
-                          std::isfinite(s.bwd_ms[i]) && s.bwd_ms[i] >= 0,
-                      "simulate_pipeline: stage ", i, " costs fwd ", s.fwd_ms[i], " ms, bwd ",
-                      s.bwd_ms[i], " ms: stage times must be finite and >= 0");
-    TORCH_CHECK_VALUE(s.output_bytes.empty() || s.output_bytes[i] >= 0, "simulate_pipeline: stage ",
-                      i, " has output_bytes ", s.output_bytes[i], ": must be >= 0");
-  }
-  TORCH_CHECK_VALUE(num_microbatch >= 1, "simulate_pipeline: num_microbatch must be >= 1, got ",
-                    num_microbatch);
-  TORCH_CHECK_VALUE(link_gbps > 0, "simulate_pipeline: link_gbps must be > 0 GB/s, got ", link_gbps,
-                    " (use infinity for free transfers)");
 }
 
 }  // namespace
@@ -663,12 +391,13 @@ void assign_devices(Dispatcher& dispatcher, std::vector<JobSpec>& jobs, const La
                       "simulator: assignment kGiven needs given_devices, one device list per call");
     const std::vector<int64_t>& given =
         options.given_devices[static_cast<size_t>(call) % options.given_devices.size()];
-    TORCH_CHECK_VALUE(given.size() == jobs.size(), "simulator: given_devices for call ", call, " has ",
-                      given.size(), " devices for ", jobs.size(), " jobs; give one per job");
+    TORCH_CHECK_VALUE(given.size() == jobs.size(), "simulator: given_devices for call ", call,
+                      " has ", given.size(), " devices for ", jobs.size(),
+                      " jobs; give one per job");
     for (size_t j = 0; j < jobs.size(); ++j) {
-      TORCH_CHECK_VALUE(given[j] >= 0 && given[j] < options.num_devices, "simulator: given_devices for call ",
-                        call, " puts job ", j, " on device ", given[j], "; devices are 0..",
-                        options.num_devices - 1);
+      TORCH_CHECK_VALUE(given[j] >= 0 && given[j] < options.num_devices,
+                        "simulator: given_devices for call ", call, " puts job ", j, " on device ",
+                        given[j], "; devices are 0..", options.num_devices - 1);
       jobs[j].device = given[j];
     }
     return;
@@ -720,122 +449,6 @@ SimResult simulate_roundpipe(const LayerCosts& costs, const ModelExecutePlan& pl
   r.single_iteration_ms = one.single_iteration_ms;
   r.single_throughput = one.single_throughput;
   r.single_bubble = one.single_bubble;
-  return r;
-}
-
-const char* pipeline_schedule_name(PipelineSchedule schedule) {
-  return schedule == PipelineSchedule::kGPipe ? "GPipe" : "1F1B";
-}
-
-StageCosts split_pipeline_stages(const LayerCosts& costs, int64_t num_stages, bool recompute) {
-  worst_stage_ms(ModelExecutePlan{{LayerRange{0, costs.num_layers()}}, {}}, costs,
-                 RunKind::kInfer);  // validates the costs
-  const int64_t n = costs.num_layers();
-  TORCH_CHECK_VALUE(num_stages >= 1 && num_stages <= n, "split_pipeline_stages: cannot split ", n,
-                    " layers into ", num_stages, " stages; ask for 1 to ", n);
-  std::vector<double> prefix(n + 1, 0.0);
-  for (int64_t l = 0; l < n; ++l) {
-    prefix[l + 1] =
-        prefix[l] + costs.fwd_ms[l] + costs.bwd_ms[l] + (recompute ? costs.recompute_ms[l] : 0);
-  }
-  // best[s][e]: the smallest largest stage time of s stages over layers [0, e).
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> best(num_stages + 1, std::vector<double>(n + 1, kInf));
-  std::vector<std::vector<int64_t>> cut(num_stages + 1, std::vector<int64_t>(n + 1, 0));
-  best[0][0] = 0;
-  for (int64_t s = 1; s <= num_stages; ++s) {
-    for (int64_t e = s; e <= n; ++e) {
-      for (int64_t b = s - 1; b < e; ++b) {
-        const double t = std::max(best[s - 1][b], prefix[e] - prefix[b]);
-        if (t < best[s][e]) {
-          best[s][e] = t;
-          cut[s][e] = b;
-        }
-      }
-    }
-  }
-  std::vector<LayerRange> stages(num_stages);
-  for (int64_t s = num_stages, e = n; s >= 1; e = cut[s][e], --s) stages[s - 1] = {cut[s][e], e};
-  StageCosts out;
-  for (const LayerRange& r : stages) {
-    double f = 0, b = 0;
-    for (int64_t l = r.begin; l < r.end; ++l) {
-      f += costs.fwd_ms[l];
-      b += costs.bwd_ms[l] + (recompute ? costs.recompute_ms[l] : 0);
-    }
-    out.fwd_ms.push_back(f);
-    out.bwd_ms.push_back(b);
-    out.output_bytes.push_back(costs.activation_bytes.empty() ? 0
-                                                              : costs.activation_bytes[r.end - 1]);
-  }
-  return out;
-}
-
-SimResult simulate_pipeline(PipelineSchedule schedule, const StageCosts& stages,
-                            int64_t num_microbatch, double link_gbps) {
-  check_costs(stages, num_microbatch, link_gbps);
-  const int64_t p = static_cast<int64_t>(stages.fwd_ms.size());
-  const int64_t m = num_microbatch;
-  auto bytes = [&](int64_t i) { return stages.output_bytes.empty() ? 0 : stages.output_bytes[i]; };
-
-  // Each device's compute order: (backward?, microbatch).
-  std::vector<std::vector<std::pair<bool, int64_t>>> order(p);
-  for (int64_t i = 0; i < p; ++i) {
-    const int64_t warm = schedule == PipelineSchedule::kGPipe ? m : std::min(p - i - 1, m);
-    for (int64_t k = 0; k < warm; ++k) order[i].emplace_back(false, k);
-    for (int64_t k = 0; k < m - warm; ++k) {
-      order[i].emplace_back(false, warm + k);
-      order[i].emplace_back(true, k);
-    }
-    for (int64_t k = m - warm; k < m; ++k) order[i].emplace_back(true, k);
-  }
-
-  Timeline tl(p, link_gbps, /*copy_delay_ms=*/0);
-  auto event = [&](const char* kind, const std::string& name, bool bwd, int64_t i, int64_t k) {
-    TraceEvent e;
-    e.kind = kind;
-    e.name = name;
-    e.model = pipeline_schedule_name(schedule);
-    e.call = 0;
-    e.job = bwd ? "backward" : "forward";
-    e.stage = i;
-    e.microbatch = k;
-    return e;
-  };
-  auto label = [](bool bwd, int64_t i, int64_t k) {
-    return std::string(bwd ? "bwd" : "fwd") + " s" + std::to_string(i) + " mb" + std::to_string(k);
-  };
-  // [backward?][stage][microbatch]: compute tasks, then their outputs on the host.
-  std::vector<std::vector<int>> none(p, std::vector<int>(m, kNone));
-  std::vector<std::vector<int>> task[2] = {none, none}, sent[2] = {none, none};
-  for (int64_t i = 0; i < p; ++i) {
-    for (auto [bwd, k] : order[i]) {
-      task[bwd][i][k] = tl.add(i, TraceLane::kCompute, bwd ? stages.bwd_ms[i] : stages.fwd_ms[i],
-                               event("compute", label(bwd, i, k), bwd, i, k));
-    }
-  }
-  // Downloads in each producer's compute order, uploads in each consumer's.
-  for (int64_t i = 0; i < p; ++i) {
-    for (auto [bwd, k] : order[i]) {
-      if (bwd ? i == 0 : i == p - 1) continue;
-      sent[bwd][i][k] =
-          tl.transfer(i, TraceLane::kDownload, bytes(bwd ? i - 1 : i), task[bwd][i][k], kNone,
-                      event("handoff", "out " + label(bwd, i, k), bwd, i, k));
-    }
-  }
-  for (int64_t i = 0; i < p; ++i) {
-    for (auto [bwd, k] : order[i]) {
-      if (bwd ? i == p - 1 : i == 0) continue;
-      const int64_t from = bwd ? i + 1 : i - 1;
-      const int in =
-          tl.transfer(i, TraceLane::kActUpload, bytes(bwd ? i : i - 1), sent[bwd][from][k], kNone,
-                      event("handoff", "in " + label(bwd, i, k), bwd, i, k));
-      tl.depend(task[bwd][i][k], in);
-    }
-  }
-  tl.run();
-  SimResult r = tl.summary(m);
-  r.iterations = r.measured_iterations = 1;
   return r;
 }
 

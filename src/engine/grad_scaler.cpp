@@ -14,10 +14,10 @@
 #include <thread>
 #include <unordered_map>
 
-#include "optim/optimizer_thread.h"
-#include "util/value_tree.h"
+#include "engine/optimizer_thread.h"
 #include "optim/checks.h"
 #include "optim/kernels/kernels.h"
+#include "util/value_tree.h"
 
 namespace roundpipe {
 namespace {
@@ -26,8 +26,10 @@ namespace {
 double to_float(double v) { return static_cast<double>(static_cast<float>(v)); }
 
 void check_scale(double v, const char* what) {
-  TORCH_CHECK_VALUE(std::isfinite(v) && v > 0, "GradScaler: ", what, " must be finite and > 0, got ", v);
-  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(v)) && static_cast<float>(v) > 0, "GradScaler: ", what,
+  TORCH_CHECK_VALUE(std::isfinite(v) && v > 0, "GradScaler: ", what,
+                    " must be finite and > 0, got ", v);
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(v)) && static_cast<float>(v) > 0,
+                    "GradScaler: ", what,
                     " must be representable as a positive float32 (the scale's type), got ", v);
 }
 void check_growth_factor(double v) {
@@ -45,13 +47,14 @@ void check_growth_interval(int64_t v) {
 bool unscale_and_check(const std::vector<at::Tensor>& grads, float inv_scale) {
   for (const at::Tensor& g : grads) {
     TORCH_CHECK_VALUE(g.defined(), "GradScaler: a gradient passed to unscale is undefined");
-    TORCH_CHECK_TYPE(g.layout() == at::kStrided, "GradScaler: only dense gradients can be unscaled, got layout ",
-                     g.layout());
+    TORCH_CHECK_TYPE(g.layout() == at::kStrided,
+                     "GradScaler: only dense gradients can be unscaled, got layout ", g.layout());
     TORCH_CHECK_TYPE(at::isFloatingType(g.scalar_type()),
                      "GradScaler: gradients must be floating point, got ", g.scalar_type());
-    TORCH_CHECK_VALUE(g.scalar_type() != at::kHalf,
-                      "GradScaler: attempting to unscale FP16 gradients; keep float32 optimizer copies "
-                      "(RoundPipeOptions::set_optim_dtype(at::kFloat))");
+    TORCH_CHECK_VALUE(
+        g.scalar_type() != at::kHalf,
+        "GradScaler: attempting to unscale FP16 gradients; keep float32 optimizer copies "
+        "(RoundPipeOptions::set_optim_dtype(at::kFloat))");
   }
   at::NoGradGuard no_grad;
   bool found = false;
@@ -77,7 +80,9 @@ std::vector<at::Tensor> grads_of(const torch::optim::Optimizer& optimizer) {
   return grads;
 }
 
-uintptr_t key_of(const torch::optim::Optimizer& optimizer) { return reinterpret_cast<uintptr_t>(&optimizer); }
+uintptr_t key_of(const torch::optim::Optimizer& optimizer) {
+  return reinterpret_cast<uintptr_t>(&optimizer);
+}
 
 double number(const c10::Dict<std::string, c10::IValue>& state, const char* key) {
   auto it = state.find(key);
@@ -92,7 +97,8 @@ int64_t integer(const c10::Dict<std::string, c10::IValue>& state, const char* ke
   auto it = state.find(key);
   TORCH_CHECK_VALUE(it != state.end(), "GradScaler.load_state_dict: missing key '", key, "'");
   const c10::IValue& v = it->value();
-  TORCH_CHECK_TYPE(v.isInt(), "GradScaler.load_state_dict: '", key, "' must be an integer, got ", v.tagKind());
+  TORCH_CHECK_TYPE(v.isInt(), "GradScaler.load_state_dict: '", key, "' must be an integer, got ",
+                   v.tagKind());
   return v.toInt();
 }
 
@@ -241,7 +247,9 @@ class GradScaler::Impl {
     return epochs[static_cast<size_t>(j - first_epoch)].scale;
   }
 
-  double view_scale() const { return on_optimizer_thread() ? optimizer_view_scale() : main_scale(); }
+  double view_scale() const {
+    return on_optimizer_thread() ? optimizer_view_scale() : main_scale();
+  }
 
   // ---- not holding mu ----
 
@@ -261,10 +269,11 @@ class GradScaler::Impl {
       if (steps_recorded == seen) {
         int64_t missing = chain_index;
         while (missing < target && settled(missing)) ++missing;
-        TORCH_CHECK(false, "GradScaler.update(): no scaler.step() was recorded for this iteration (step ",
-                    missing, " of ", optimizers.empty() ? "any optimizer" : "every optimizer",
-                    " is missing, and nothing queued on the optimizer thread recorded it). Call "
-                    "scaler.step(optimizer) for every optimizer (inside step_fn) before scaler.update()");
+        TORCH_CHECK(
+            false, "GradScaler.update(): no scaler.step() was recorded for this iteration (step ",
+            missing, " of ", optimizers.empty() ? "any optimizer" : "every optimizer",
+            " is missing, and nothing queued on the optimizer thread recorded it). Call "
+            "scaler.step(optimizer) for every optimizer (inside step_fn) before scaler.update()");
       }
     }
   }
@@ -275,9 +284,10 @@ class GradScaler::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       Optimizer& o = join(key);
-      TORCH_CHECK(!o.unscaled,
-                  "unscale_() has already been called on this optimizer since the last step. Call it at "
-                  "most once per optimizer before step() (step() unscales when it was not called)");
+      TORCH_CHECK(
+          !o.unscaled,
+          "unscale_() has already been called on this optimizer since the last step. Call it at "
+          "most once per optimizer before step() (step() unscales when it was not called)");
       j = o.next_step;
       // A step taken before update() closed the previous iteration (several
       // steps in one iteration) belongs to an epoch that has not begun: its
@@ -336,7 +346,7 @@ class GradScaler::Impl {
   double backoff_factor;
   int64_t growth_interval;
   std::set<int64_t> early_inf;  // steps with an inf/NaN taken before their epoch began
-  std::deque<Epoch> epochs;  // first_epoch .. current epoch; back() is the main view
+  std::deque<Epoch> epochs;     // first_epoch .. current epoch; back() is the main view
   int64_t first_epoch = 0;
   std::unordered_map<uintptr_t, Optimizer> optimizers;
   c10::optional<uintptr_t> last_key;
@@ -392,8 +402,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 c10::optional<at::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer,
                                            torch::optim::Optimizer::LossClosure closure) {
   if (!impl_->enabled) return optimizer.step(std::move(closure));
-  TORCH_CHECK(!closure, "Closure use is not currently supported if GradScaler is enabled: the gradients "
-                        "the closure computes would not be unscaled");
+  TORCH_CHECK(!closure,
+              "Closure use is not currently supported if GradScaler is enabled: the gradients "
+              "the closure computes would not be unscaled");
   c10::optional<at::Tensor> result;
   run_on_optimizer_thread([&] {
     if (impl_->prepare_step_here(key_of(optimizer), grads_of(optimizer))) result = optimizer.step();
@@ -404,9 +415,10 @@ c10::optional<at::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer,
 void GradScaler::update(c10::optional<double> new_scale, bool is_async) {
   if (!impl_->enabled) return;
   Impl& m = *impl_;
-  TORCH_CHECK(std::this_thread::get_id() == m.main_thread,
-              "GradScaler.update() must be called on the thread that created the scaler (the main training "
-              "thread), not inside loss_fn or step_fn");
+  TORCH_CHECK(
+      std::this_thread::get_id() == m.main_thread,
+      "GradScaler.update() must be called on the thread that created the scaler (the main training "
+      "thread), not inside loss_fn or step_fn");
   if (new_scale) check_scale(*new_scale, "new_scale");
   int64_t k, target;
   {
@@ -496,8 +508,9 @@ c10::Dict<std::string, c10::IValue> GradScaler::state_dict() const {
 
 void GradScaler::load_state_dict(const c10::Dict<std::string, c10::IValue>& state) {
   if (!impl_->enabled) return;
-  TORCH_CHECK(state.size() > 0, "GradScaler.load_state_dict: the source state dict is empty, possibly because "
-                                "it was saved from a disabled instance of GradScaler");
+  TORCH_CHECK(state.size() > 0,
+              "GradScaler.load_state_dict: the source state dict is empty, possibly because "
+              "it was saved from a disabled instance of GradScaler");
   const double scale = number(state, "scale");
   const double growth = number(state, "growth_factor");
   const double backoff = number(state, "backoff_factor");
@@ -507,7 +520,8 @@ void GradScaler::load_state_dict(const c10::Dict<std::string, c10::IValue>& stat
   check_growth_factor(growth);
   check_backoff_factor(backoff);
   check_growth_interval(interval);
-  TORCH_CHECK_VALUE(tracker >= 0, "GradScaler.load_state_dict: _growth_tracker must be >= 0, got ", tracker);
+  TORCH_CHECK_VALUE(tracker >= 0, "GradScaler.load_state_dict: _growth_tracker must be >= 0, got ",
+                    tracker);
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   m.growth_factor = growth;

@@ -1,10 +1,9 @@
-#include "optim/optimizer_thread.h"
+#include "engine/optimizer_thread.h"
 
 #include <atomic>
 #include <exception>
 #include <future>
 #include <mutex>
-
 
 namespace roundpipe {
 namespace {
@@ -16,7 +15,7 @@ std::atomic<int64_t> last_step_task{0};
 // The model that most recently issued a step. Weak: the registry must not
 // keep a model alive.
 std::mutex registry_mu;
-std::weak_ptr<const void> last_stepping_model;                      // guarded by registry_mu
+std::weak_ptr<const void> last_stepping_model;                           // guarded by registry_mu
 std::function<void(std::function<void()>)> post_to_last_stepping_model;  // guarded by registry_mu
 
 }  // namespace
@@ -25,7 +24,8 @@ namespace detail {
 
 void mark_optimizer_thread() { is_optimizer_thread = true; }
 
-void note_stepping_model(std::weak_ptr<const void> model, std::function<void(std::function<void()>)> post) {
+void note_stepping_model(std::weak_ptr<const void> model,
+                         std::function<void(std::function<void()>)> post) {
   std::lock_guard<std::mutex> lock(registry_mu);
   last_stepping_model = std::move(model);
   post_to_last_stepping_model = std::move(post);

@@ -9,7 +9,6 @@
 #include <functional>
 #include <memory>
 
-
 namespace roundpipe {
 
 // True on the optimizer thread of any RoundPipe model.
@@ -34,7 +33,8 @@ namespace detail {
 void mark_optimizer_thread();
 // `model` (kept weakly) is the one that issued a step; `post` queues a task
 // on its optimizer thread and is called only while `model` is held.
-void note_stepping_model(std::weak_ptr<const void> model, std::function<void(std::function<void()>)> post);
+void note_stepping_model(std::weak_ptr<const void> model,
+                         std::function<void(std::function<void()>)> post);
 void begin_step_task();
 }  // namespace detail
 
