@@ -65,10 +65,12 @@ def _count(kind, n):
 
 
 def auto_sequence_tile(rows: int, length: int, width: int, element_size: int,
-                       budget: int = AUTO_TILE_BYTES) -> Optional[int]:
+                       budget: Optional[int] = None) -> Optional[int]:
     """The tile (tokens of each of ``rows`` rows) that keeps three
-    ``tokens x width`` tensors of ``element_size`` bytes within ``budget``;
-    None when the whole ``length`` does."""
+    ``tokens x width`` tensors of ``element_size`` bytes within ``budget``
+    (default ``AUTO_TILE_BYTES``); None when the whole ``length`` does."""
+    if budget is None:
+        budget = AUTO_TILE_BYTES
     per_row = 3 * width * element_size * max(1, rows)
     tile = max(1, budget // max(1, per_row))
     return None if tile >= length else tile
