@@ -35,6 +35,7 @@ from torch import nn
 
 from .hf import _MOE_FAMILIES, HFHead, _EmbeddingBase, _RouterCapture, _base_model, _family, _has_aux_loss, \
     _refuse_packed_experts
+from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .tiling import SequenceTileSetting, auto_sequence_tile, tiled_call
 
 __all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers", "preset_layers"]
@@ -187,10 +188,41 @@ class TiledParts:
     """While ``active``: the block's position-wise parts run over tiles of
     ``tile`` tokens (roundpipe.tiling.tiled_call) when called with one
     ``(rows, tokens, hidden)`` tensor; the logits of the routers inside them
-    go to the block's capture list, joined over the tiles."""
+    go to the block's capture list, joined over the tiles.
+
+    The outputs of the parts other than norms are kept for the layer's
+    recomputation (``saved``, then ``keep``): in it (``replay``) they are
+    taken instead of running those parts again, so a tiled MLP runs once
+    in the forward, once in the recomputation's backward, as untiled."""
 
     def __init__(self, owner, tile):
         self.owner, self.tile = owner, tile
+        self.saved, self.replay = [], None
+
+    def keep(self):
+        """Hands the kept outputs to the engine (once per layer forward; a
+        no-op outside a forward that saves for recomputation)."""
+        if self.saved:
+            save_for_recompute(*self.saved)
+
+    def take_replay(self):
+        """In a recomputation: the outputs the forward kept, if any."""
+        try:
+            self.replay = list(get_recompute_data())
+        except RuntimeError:  # the forward kept none
+            self.replay = None
+
+    def _replayed(self, number, x):
+        """The kept outputs of part ``number`` for ``x``, next in order."""
+        if not self.replay:
+            return None
+        entry = self.replay.pop(0)
+        number_kept, count, is_tuple, *outs = entry
+        if number_kept != number or not outs or outs[0].device != x.device or \
+                not all(o.shape[0] in (x.shape[0], x.shape[0] * x.shape[1]) for o in outs):
+            self.replay = None  # not this forward's: recompute from here on
+            return None
+        return count, bool(is_tuple), outs
 
     def covers(self, router_name):
         return any(router_name.startswith(part + ".") for part in self.owner.tiled_parts)
@@ -206,6 +238,7 @@ class TiledParts:
                     block.get_submodule(r) for r in self.owner.router_names if r.startswith(part + ".")]
                 saved.append((module, module.__dict__.get("forward")))
                 module.forward = self._tiled_forward(part, module, module.forward, routers, captured)
+
             yield
         finally:
             for module, previous in reversed(saved):
@@ -216,6 +249,8 @@ class TiledParts:
     def _tiled_forward(self, part, module, original, routers, captured):
         tile, index = self.tile, getattr(self.owner, "router_index", 0)
         who = f"decoder block {self.owner.index}'s {part} ({type(module).__name__})"
+        # Norms are cheap to run again; the MLP's outputs are worth keeping.
+        number = None if "norm" in type(module).__name__.lower() else self.owner.tiled_parts.index(part)
 
         def forward(*args, **kwargs):
             x = args[0] if len(args) == 1 and not kwargs else None
@@ -237,7 +272,14 @@ class TiledParts:
                 return outs + tuple(caught)
 
             params = [p for p in module.parameters() if p.requires_grad]
-            outs = tiled_call(run, x, tile, params, who=who)
+            replayed = self._replayed(number, x) if number is not None else None
+            if replayed is not None:
+                form["count"], form["tuple"], given = replayed
+                outs = tiled_call(run, x, tile, params, who=who, outputs=given)
+            else:
+                outs = tiled_call(run, x, tile, params, who=who)
+                if number is not None and not torch.is_grad_enabled():
+                    self.saved.append((number, form["count"], int(form["tuple"]), *[o.detach() for o in outs]))
             own, caught = outs[:form["count"]], outs[form["count"]:]
             if captured is not None:
                 captured.extend(caught)
@@ -264,8 +306,14 @@ class GenericBlock(_RouterCapture):
         positional, keywords = state["block_args"][self.index]
         values = state["values"]
         tile = self.sequence_tile(state)
-        return self._run_block(state, [values[i] for i in positional], {k: values[i] for k, i in keywords.items()},
-                               tiles=TiledParts(self, tile) if tile is not None else None)
+        tiles = TiledParts(self, tile) if tile is not None else None
+        if tiles is not None and doing_recompute():
+            tiles.take_replay()
+        out = self._run_block(state, [values[i] for i in positional], {k: values[i] for k, i in keywords.items()},
+                              tiles=tiles)
+        if tiles is not None and not doing_recompute():
+            tiles.keep()
+        return out
 
     def sequence_tile(self, state):
         """The tile of this call (None: untiled): the call's sequence_tile,

@@ -7,7 +7,10 @@ module tile by tile without keeping any tile's intermediate activations,
 keeps only its input, and in the backward pass recomputes and
 backpropagates one tile at a time. The MLP's ``tokens x intermediate``
 tensors, the largest a block makes, then exist for one tile at a time; the
-price is one more forward of the tiled parts in the backward pass.
+price is one more forward of the tiled parts in the backward pass, which
+the presets' blocks save in a recomputation: its forward takes the MLP's
+outputs from the first forward (kept with the layer's recompute data on the
+host) instead of running the MLP again.
 
 The Hugging Face presets' decoder blocks (roundpipe.hf_generic) tile their
 MLP and norms when the sequence is longer than the tile:
@@ -29,7 +32,7 @@ __all__ = ["AUTO_TILE_BYTES", "SequenceTileSetting", "auto_sequence_tile", "tile
 AUTO_TILE_BYTES = 256 << 20
 
 _counts_lock = threading.Lock()
-_counts = {"forward": 0, "backward": 0}
+_counts = {"forward": 0, "backward": 0, "reused": 0}
 
 
 class SequenceTileSetting:
@@ -54,7 +57,8 @@ class SequenceTileSetting:
 
 def tile_counts() -> dict:
     """How many tiles ``tiled_call`` has run in this process, in forward
-    passes and in backward passes (recomputed tiles)."""
+    passes and in backward passes (recomputed tiles), and how many of its
+    calls took the outputs of an earlier forward (``reused``)."""
     with _counts_lock:
         return dict(_counts)
 
@@ -126,30 +130,41 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, run, tile, info, x, *params):
         rows, length = x.shape[0], x.shape[1]
         bounds = _bounds(length, tile)
-        pieces, layouts = [], None
-        for start, end in bounds:
-            outs = _as_tensors(run(x[:, start:end].contiguous()), info["who"])
-            tile_layouts = [_layout(o, rows, end - start) for o in outs]
-            if layouts is None:
-                layouts = tile_layouts
-            if None in tile_layouts or tile_layouts != layouts:
-                shapes = [tuple(o.shape) for o in outs]
-                raise RuntimeError(f"{info['who']} gave outputs of shapes {shapes} for a tile of {end - start} "
-                                   f"tokens of {rows} row(s): they do not follow the sequence, so it cannot be "
-                                   "tiled; set RoundPipeRunConfig(sequence_tile=None) with a budget large enough")
-            pieces.append(outs)
-        _count("forward", len(bounds))
-        joined = [_join([p[i] for p in pieces], layouts[i], rows) for i in range(len(layouts))]
+        given = info.get("given")
+        if given is not None:
+            _count("reused", 1)
+            joined, layouts = [o.detach() for o in given], [_layout(o, rows, length) for o in given]
+            if None in layouts:
+                raise RuntimeError(f"{info['who']}: outputs of shapes {[tuple(o.shape) for o in given]} were "
+                                   f"given for {rows} row(s) of {length} tokens")
+        else:
+            joined, layouts = _Tiled._compute(run, bounds, info["who"], x, rows)
         ctx.run, ctx.bounds, ctx.layouts, ctx.rows, ctx.who = run, bounds, layouts, rows, info["who"]
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, *params)
-        info["count"] = len(joined)
         for out in joined:
             if not (out.is_floating_point() or out.is_complex()):
                 ctx.mark_non_differentiable(out)
         return tuple(joined)
+
+    @staticmethod
+    def _compute(run, bounds, who, x, rows):
+        pieces, layouts = [], None
+        for start, end in bounds:
+            outs = _as_tensors(run(x[:, start:end].contiguous()), who)
+            tile_layouts = [_layout(o, rows, end - start) for o in outs]
+            if layouts is None:
+                layouts = tile_layouts
+            if None in tile_layouts or tile_layouts != layouts:
+                shapes = [tuple(o.shape) for o in outs]
+                raise RuntimeError(f"{who} gave outputs of shapes {shapes} for a tile of {end - start} "
+                                   f"tokens of {rows} row(s): they do not follow the sequence, so it cannot be "
+                                   "tiled; set RoundPipeRunConfig(sequence_tile=None) with a budget large enough")
+            pieces.append(outs)
+        _count("forward", len(bounds))
+        return [_join([p[i] for p in pieces], layouts[i], rows) for i in range(len(layouts))], layouts
 
     @staticmethod
     def backward(ctx, *grads):
@@ -188,7 +203,8 @@ class _Tiled(torch.autograd.Function):
 
 
 def tiled_call(run: Callable[[torch.Tensor], Any], x: torch.Tensor, tile: int,
-               params: Sequence[torch.Tensor] = (), who: str = "the module") -> List[torch.Tensor]:
+               params: Sequence[torch.Tensor] = (), who: str = "the module",
+               outputs: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
     """``run(x)`` computed over tiles of ``tile`` positions of ``x``'s dim 1
     (rows, tokens, ...), for a position-wise ``run`` (each token's outputs
     depend on that token's inputs only). ``run`` returns a tensor or a tuple
@@ -196,10 +212,14 @@ def tiled_call(run: Callable[[torch.Tensor], Any], x: torch.Tensor, tile: int,
     ...); they come back as one list, joined over the tiles. ``params``: the
     tensors ``run`` uses besides ``x`` that need gradients (a module's
     parameters). No tile's intermediate activations are kept: the backward
-    pass recomputes each tile and backpropagates it before the next."""
+    pass recomputes each tile and backpropagates it before the next.
+
+    ``outputs``: the joined outputs of ``run(x)`` as an earlier forward
+    computed them (kept for a recomputation, roundpipe.recompute): they are
+    returned as this call's, and only the backward pass runs ``run``."""
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tiled_call: tile must be an int >= 1, got {tile!r}")
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise ValueError("tiled_call: x must be a tensor of shape (rows, tokens, ...)")
-    info = {"who": who}
+    info = {"who": who, "given": None if outputs is None else list(outputs)}
     return list(_Tiled.apply(run, tile, info, x, *params))

@@ -2,12 +2,14 @@
 docs/train.md "Long sequences"): RoundPipeRunConfig(sequence_tile=...) is
 validated; tiled_call gives the untiled outputs and gradients; and the
 Hugging Face presets' blocks, tiled, give the untiled run's losses and every
-gradient (fp32, 1e-5) for a dense (llama) and two mixture-of-experts
-(qwen2_moe, mixtral: router logits and their load-balancing loss through
-the tiles) architectures, with padding and with packed sequences, at layer
-and stage grain, with the tile set per model, per call and automatically, in
-processes with 1 and 3 CPU devices. Every tiled run shows its tiles counted,
-every untiled one none."""
+gradient (fp32, 1e-5) for two dense (llama; gemma2, whose MLP output goes
+through a norm, so the outputs a recomputation reuses must be the right
+ones) and two mixture-of-experts (qwen2_moe, mixtral: router logits and
+their load-balancing loss through the tiles) architectures, with padding
+and with packed sequences, at layer and stage grain, with the tile set per
+model, per call and automatically, in processes with 1 and 3 CPU devices.
+Every tiled run shows its tiles counted (and recomputations reusing the
+MLP's outputs), every untiled one none."""
 import textwrap
 
 import pytest
@@ -210,7 +212,7 @@ SCRIPT = textwrap.dedent('''
     print(json.dumps(report))
 ''')
 
-MODEL_TYPES = ["llama", "qwen2_moe", "mixtral"]
+MODEL_TYPES = ["llama", "gemma2", "qwen2_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +232,8 @@ def test_tiled_blocks_match_untiled(reports, model_type, devices):
         print(f"{model_type} on {devices} device(s), {name}: loss {got['loss']:.2e}, every gradient "
               f"{got['every gradient']:.2e}, logits {got['logits']:.2e}, tiles {got['tiles']}")
         # The tiled path ran (forward and backward tiles), the untiled one never.
-        assert got["untiled tiles"] == {"forward": 0, "backward": 0}, (name, got)
+        assert got["untiled tiles"] == {"forward": 0, "backward": 0, "reused": 0}, (name, got)
         assert got["tiles"]["forward"] > 0 and got["tiles"]["backward"] > 0, (name, got)
+        assert got["tiles"]["reused"] > 0, (name, got)
         bad.update({f"{name}: {k}": got[k] for k in ("loss", "every gradient", "logits") if not got[k] <= TOLERANCE})
     assert not bad, f"{model_type} on {devices} device(s), tiled differs from untiled: {bad}"
