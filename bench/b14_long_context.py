@@ -16,6 +16,11 @@ on CPU devices (ROUNDPIPE_DEVICES, default cpu:2), one thread per device.
   tiled and untiled (the tensors autograd saves while the block runs with
   gradients, parameters excepted, each storage once): what a layer-grain
   recomputation holds on its device besides the layer's inputs.
+- The peak bytes per token of one block's forward with gradients and its
+  backward pass (a layer-grain recomputation), tiled and untiled, measured
+  by torch's memory tracker (torch.distributed._tools.mem_tracker), the
+  parameters excepted: the engine's own per-device counters are not
+  readable from Python.
 
     python bench/b14_long_context.py [--length N] [--tile N]   prints RESULT id=B14 ...
 """
@@ -89,6 +94,34 @@ def saved_bytes_per_token(length, tile):
     return out
 
 
+def peak_bytes_per_token(length, tile):
+    """Peak bytes per token (one row) of one block's forward with gradients
+    and its backward pass, as a layer-grain recomputation runs them,
+    measured by torch's memory tracker, parameters excepted."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from roundpipe.hf_generic import generic_layers
+    layers = generic_layers(llama(length))
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        state = layers[0](input_ids=ids)
+    out = {}
+    for name, sequence_tile in (("untiled", None), ("tiled", tile)):
+        hidden = state["hidden_states"].detach().clone().requires_grad_()
+        grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3))
+        tracker = MemTracker()
+        tracker.track_external(layers[1])
+        with tracker:
+            result = layers[1](dict(state, sequence_tile=sequence_tile, hidden_states=hidden))
+            result["hidden_states"].backward(grad)
+            del result
+        peak = tracker.get_tracker_snapshot("peak")[hidden.device]
+        params = [v for k, v in peak.items() if getattr(k, "value", None) == "Parameter"]
+        out[name] = (peak["Total"] - sum(params)) / length
+        layers[1].zero_grad(set_to_none=True)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -112,11 +145,16 @@ def main():
     saved = saved_bytes_per_token(args.length, args.tile)
     for name, nbytes in saved.items():
         print(f"  {name:8s} {nbytes:9.0f} bytes per token kept for one block's backward", flush=True)
+    peak = peak_bytes_per_token(args.length, args.tile)
+    for name, nbytes in peak.items():
+        print(f"  {name:8s} {nbytes:9.0f} bytes per token at the peak of one block's forward and backward",
+              flush=True)
     print("target (issue 53): tiled_time_vs_untiled <= 1.05: " + ("met" if ratio <= 1.05 else "NOT met"))
     print(f"RESULT id=B14 tiled_time_vs_untiled={ratio:.3f} us_per_token_tiled={1e6 * per_token['tiled']:.2f} "
           f"us_per_token_untiled={1e6 * per_token['untiled']:.2f} seq_len={args.length} sequence_tile={args.tile} "
           f"block_saved_bytes_per_token_tiled={saved['tiled']:.0f} "
-          f"block_saved_bytes_per_token_untiled={saved['untiled']:.0f}")
+          f"block_saved_bytes_per_token_untiled={saved['untiled']:.0f} "
+          f"block_peak_bytes_per_token_tiled={peak['tiled']:.0f} block_peak_bytes_per_token_untiled={peak['untiled']:.0f}")
 
 
 if __name__ == "__main__":

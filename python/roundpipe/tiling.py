@@ -153,7 +153,7 @@ class _Tiled(torch.autograd.Function):
     def _compute(run, bounds, who, x, rows):
         pieces, layouts = [], None
         for start, end in bounds:
-            outs = _as_tensors(run(x[:, start:end].contiguous()), who)
+            outs = _as_tensors(run(x.detach()[:, start:end].contiguous()), who)
             tile_layouts = [_layout(o, rows, end - start) for o in outs]
             if layouts is None:
                 layouts = tile_layouts
