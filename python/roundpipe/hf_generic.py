@@ -238,7 +238,6 @@ class TiledParts:
                     block.get_submodule(r) for r in self.owner.router_names if r.startswith(part + ".")]
                 saved.append((module, module.__dict__.get("forward")))
                 module.forward = self._tiled_forward(part, module, module.forward, routers, captured)
-
             yield
         finally:
             for module, previous in reversed(saved):

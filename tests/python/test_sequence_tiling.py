@@ -9,7 +9,9 @@ their load-balancing loss through the tiles) architectures, with padding
 and with packed sequences, at layer and stage grain, with the tile set per
 model, per call and automatically, in processes with 1 and 3 CPU devices.
 Every tiled run shows its tiles counted (and recomputations reusing the
-MLP's outputs), every untiled one none."""
+MLP's outputs), every untiled one none. And every architecture of the
+generic preset (hf_tiny's), its layers run one after the other without the
+engine: tiled, the untiled loss and every gradient."""
 import textwrap
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from roundpipe import RoundPipeRunConfig, tiling
 
+import hf_tiny
 from device_reports import device_reports
 
 TOLERANCE = 1e-5
@@ -237,3 +240,51 @@ def test_tiled_blocks_match_untiled(reports, model_type, devices):
         assert got["tiles"]["reused"] > 0, (name, got)
         bad.update({f"{name}: {k}": got[k] for k in ("loss", "every gradient", "logits") if not got[k] <= TOLERANCE})
     assert not bad, f"{model_type} on {devices} device(s), tiled differs from untiled: {bad}"
+
+
+# ---------------------------------------------------------------------------
+# Every architecture of the generic preset, its layers run one after the
+# other in this process (no engine): tiled against untiled.
+
+def _layers_run(model_type, tile):
+    """The loss and every gradient of the generic preset's layers of a tiny
+    model, run one after the other with the blocks' tile set to ``tile``."""
+    import warnings
+
+    from roundpipe.hf_generic import generic_layers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = hf_tiny.tiny_model(model_type)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # every weight non-zero: a gradient that does not flow shows
+        for p in hf.parameters():
+            if not p.abs().sum():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    layers = generic_layers(hf)
+    layers[0].tile_setting.value = tile
+    ids = torch.randint(0, hf_tiny.VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    out = layers[0](input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    for layer in list(layers)[1:]:
+        out = layer(out)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in hf.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type", sorted(hf_tiny.ARCHITECTURES.keys() | hf_tiny.PRESET_ARCHITECTURES.keys()))
+def test_every_architecture_tiles_to_the_untiled_gradients(model_type):
+    loss, grads = _layers_run(model_type, None)
+    before = tiling.tile_counts()
+    tiled_loss, tiled_grads = _layers_run(model_type, 3)
+    after = tiling.tile_counts()
+    assert after["forward"] > before["forward"] and after["backward"] > before["backward"]
+    torch.testing.assert_close(tiled_loss, loss, rtol=TOLERANCE, atol=0)
+    scale = max(g.abs().max() for g in grads.values() if g is not None)
+    for name, b in grads.items():
+        a = tiled_grads[name]
+        assert (a is None) == (b is None), name
+        if b is not None:
+            worst = ((a - b).abs().max() / torch.maximum(b.abs().max(), 1e-3 * scale)).item()
+            assert worst <= TOLERANCE, f"{model_type}: {name}'s gradient differs by {worst:.2e}"
