@@ -27,10 +27,10 @@ class RoundPipeRunConfig:
       (per-microbatch values for chaining models).
     - ``execute_plan``: a ModelExecutePlan.
     - ``sequence_tile``: tokens per tile of the sequence in which the Hugging
-      Face presets' decoder blocks run their MLP and norms (an int >= 1);
-      automatic by default (roundpipe.tiling.auto_sequence_tile: untiled
-      unless one tile's MLP intermediates would pass 256 MiB). No effect on
-      other layers.
+      Face presets' decoder blocks run their MLP and norms (an int >= 1; at
+      least the sequence length: untiled); automatic by default
+      (roundpipe.tiling.auto_sequence_tile: untiled unless one tile's MLP
+      intermediates would pass 256 MiB). No effect on other layers.
     """
 
     __slots__ = _FIELDS

@@ -27,8 +27,8 @@ import torch
 __all__ = ["AUTO_TILE_BYTES", "SequenceTileSetting", "auto_sequence_tile", "tiled_call", "tile_counts"]
 
 # One tile's MLP intermediates (three tokens x width tensors) stay within
-# this; at this size a tile's matrix products are still large enough to run
-# at full speed (Llama-3.1-8B in bf16: tiles of 3,120 tokens).
+# this, and tiles stay long, their matrix products large (Llama-3.1-8B in
+# bf16: tiles of 3,120 tokens).
 AUTO_TILE_BYTES = 256 << 20
 
 _counts_lock = threading.Lock()
@@ -116,8 +116,8 @@ def _as_tensors(out, who):
     values = list(out) if isinstance(out, (tuple, list)) else [out]
     if not all(isinstance(v, torch.Tensor) for v in values):
         raise TypeError(f"{who} returned {type(out).__name__} with values that are not tensors; only "
-                        "modules that return tensors can be tiled over the sequence (sequence_tile=None "
-                        "turns tiling off)")
+                        "modules that return tensors can be tiled over the sequence (a sequence_tile of at "
+                        "least the sequence length runs it untiled)")
     return values
 
 
@@ -161,7 +161,8 @@ class _Tiled(torch.autograd.Function):
                 shapes = [tuple(o.shape) for o in outs]
                 raise RuntimeError(f"{who} gave outputs of shapes {shapes} for a tile of {end - start} "
                                    f"tokens of {rows} row(s): they do not follow the sequence, so it cannot be "
-                                   "tiled; set RoundPipeRunConfig(sequence_tile=None) with a budget large enough")
+                                   "tiled; set RoundPipeRunConfig(sequence_tile=...) to at least the sequence "
+                                   "length to run it untiled")
             pieces.append(outs)
         _count("forward", len(bounds))
         return [_join([p[i] for p in pieces], layouts[i], rows) for i in range(len(layouts))], layouts
