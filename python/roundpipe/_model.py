@@ -253,8 +253,11 @@ class RoundPipe(nn.Module):
             value = getattr(run_config, name) if run_config is not None else None
             return value if value is not None else getattr(self._run_config, name)
 
-        # The call's tile reaches the layers through their shared setting:
-        # the previous call's forward has run its first layer already.
+        # The call's tile reaches the layers through their shared setting,
+        # which the first layer reads when it runs: calls return after that
+        # (their losses or merged outputs need every layer), except
+        # forward(merge_output=False), whose first layer may read the next
+        # call's tile (the same results, up to rounding).
         for setting in self._tile_settings:
             setting.value = field("sequence_tile")
         if field("split_input") is not None:
