@@ -15,6 +15,7 @@ from . import _C, _optimizer_guard
 from .grad_scaler import _check_no_torch_scaler
 from .microbatch import _batch_size, _with_packed_split
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
+from .tiling import SequenceTileSetting
 
 if TYPE_CHECKING:
     from .timer import ModelTimer
@@ -153,7 +154,7 @@ class RoundPipe(nn.Module):
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
                       "_gradient_reduction", "_pin_model", "_default_merge", "_overlap_iterations",
-                      "_sync_warmup_steps", "_warned_small_batch"))
+                      "_sync_warmup_steps", "_warned_small_batch", "_tile_settings"))
 
     def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, name: Optional[str] = None,
                  model_run_config: Optional[RoundPipeRunConfig] = None, pin_model: str = "alloc",
@@ -210,6 +211,8 @@ class RoundPipe(nn.Module):
         else:
             own["_layers"] = [model]
             own["_layer_prefixes"] = [""]
+        own["_tile_settings"] = [layer.tile_setting for layer in own["_layers"]
+                                 if isinstance(getattr(layer, "tile_setting", None), SequenceTileSetting)]
         own["_engine"] = None
         self._build_engine()
 
@@ -250,6 +253,13 @@ class RoundPipe(nn.Module):
             value = getattr(run_config, name) if run_config is not None else None
             return value if value is not None else getattr(self._run_config, name)
 
+        # The call's tile reaches the layers through their shared setting,
+        # which the first layer reads when it runs: calls return after that
+        # (their losses or merged outputs need every layer), except
+        # forward(merge_output=False), whose first layer may read the next
+        # call's tile (the same results, up to rounding).
+        for setting in self._tile_settings:
+            setting.value = field("sequence_tile")
         if field("split_input") is not None:
             return run_config  # the engine finds the batch size of a custom split
         n = field("num_microbatch") or self._engine.num_devices() + 1

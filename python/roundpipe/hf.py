@@ -122,6 +122,7 @@ class _EmbeddingBase(nn.Module):
             "hidden_states": None, "attention_mask": attention_mask, "position_ids": position_ids,
             "labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch,
             "return_logits": return_logits, "logits_to_keep": logits_to_keep, "router": router,
+            "sequence_tile": self.tile_setting.value if hasattr(self, "tile_setting") else None,
         }
         self._embed(state, input_ids, inputs_embeds)
         return state
@@ -145,17 +146,26 @@ class _RouterCapture(nn.Module):
         self.num_experts = hf.num_experts
         self.top_k = hf.num_experts_per_tok
 
-    def _run_block(self, state, *args, **kwargs):
-        """The block's call, with its router logits added to state's sums."""
+    def _run_block(self, state, args, kwargs, tiles=None):
+        """The block's call, with its router logits added to state's sums.
+        ``tiles``: a roundpipe.hf_generic.TiledParts that runs the block's
+        position-wise parts over tiles of the sequence (it captures the
+        router logits of the routers inside them)."""
         router = state["router"]
         captured = []
         hooks = []
         if router is not None:
             for name in self.router_names:
+                if tiles is not None and tiles.covers(name):
+                    continue
                 hooks.append(self.block.get_submodule(name).register_forward_hook(
                     lambda _m, _i, out: captured.append(out[self.router_index])))
         try:
-            out = self.block(state["hidden_states"], *args, **kwargs)
+            if tiles is None:
+                out = self.block(state["hidden_states"], *args, **kwargs)
+            else:
+                with tiles.active(captured if router is not None else None):
+                    out = self.block(state["hidden_states"], *args, **kwargs)
         finally:
             for h in hooks:
                 h.remove()

@@ -26,6 +26,7 @@ architecture not in ``TESTED_MODEL_TYPES`` is checked once when it is
 wrapped: the layers, run one after the other on a short input, must give the
 model's own logits.
 """
+import contextlib
 import copy
 import threading
 
@@ -34,6 +35,8 @@ from torch import nn
 
 from .hf import _MOE_FAMILIES, HFHead, _EmbeddingBase, _RouterCapture, _base_model, _family, _has_aux_loss, \
     _refuse_packed_experts
+from .recompute import doing_recompute, get_recompute_data, save_for_recompute
+from .tiling import SequenceTileSetting, auto_sequence_tile, tiled_call
 
 __all__ = ["GenericDecoderUnsupported", "TESTED_MODEL_TYPES", "generic_layers", "preset_layers"]
 
@@ -99,6 +102,7 @@ class GenericEmbedding(_EmbeddingBase):
         prelude._modules[stack.norm_name] = nn.Identity()  # never reached: the last stand-in stops
         self.prelude = prelude
         self.num_blocks = len(stack.blocks)
+        self.tile_setting = SequenceTileSetting()
         self._init_call(hf, _has_aux_loss(hf))
 
     def _embed(self, state, input_ids, inputs_embeds):
@@ -133,21 +137,194 @@ class GenericEmbedding(_EmbeddingBase):
         state["block_args"] = block_args
 
 
+# A block's children that run position by position: its feed-forward part
+# (dense or mixture of experts), found by name or by class, and its norms.
+_MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "moe")
+_MLP_CLASS_ENDINGS = ("mlp", "moe", "moeblock", "feedforward")
+
+
+def _position_wise_parts(block):
+    parts = []
+    for name, child in block.named_children():
+        kind = type(child).__name__.lower()
+        if name in _MLP_NAMES or kind.endswith(_MLP_CLASS_ENDINGS) or "norm" in kind:
+            parts.append(name)
+    return parts
+
+
+def _mlp_width(config):
+    """Elements per token of the widest intermediate of a block's MLP: the
+    intermediate size, or for a mixture of experts the routed experts' and
+    shared experts' sizes summed over the experts each token goes to."""
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+    dense = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    per_token = getattr(config, "num_experts_per_tok", None)
+    routed = getattr(config, "moe_intermediate_size", None)
+    if not per_token:
+        return dense
+    if not routed:
+        return per_token * dense
+    shared = getattr(config, "shared_expert_intermediate_size", None) or \
+        (getattr(config, "n_shared_experts", None) or 0) * routed
+    return max(dense, per_token * routed + shared)
+
+
+def _draws_randomness(module):
+    """Whether a module draws random numbers in training (dropout, router
+    jitter): its tiles would not recompute to the same values."""
+    if not module.training:
+        return False
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for attr in ("jitter_noise", "dropout", "dropout_rate", "hidden_dropout"):
+            value = getattr(m, attr, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+class TiledParts:
+    """While ``active``: the block's position-wise parts run over tiles of
+    ``tile`` tokens (roundpipe.tiling.tiled_call) when called with one
+    ``(rows, tokens, hidden)`` tensor; the logits of the routers inside them
+    go to the block's capture list, joined over the tiles.
+
+    The outputs of the parts other than norms are kept for the layer's
+    recomputation (``saved``, then ``keep``): in it (``replay``) they are
+    taken instead of running those parts again, so a tiled MLP runs once
+    in the forward, once in the recomputation's backward, as untiled."""
+
+    def __init__(self, owner, tile):
+        self.owner, self.tile = owner, tile
+        self.saved, self.replay = [], None
+
+    def keep(self):
+        """Hands the kept outputs to the engine (once per layer forward; a
+        no-op outside a forward that saves for recomputation)."""
+        if self.saved:
+            save_for_recompute(*self.saved)
+
+    def take_replay(self):
+        """In a recomputation: the outputs the forward kept, if any."""
+        try:
+            self.replay = list(get_recompute_data())
+        except RuntimeError:  # the forward kept none
+            self.replay = None
+
+    def _replayed(self, number, x):
+        """The kept outputs of part ``number`` for ``x``, next in order."""
+        if not self.replay:
+            return None
+        entry = self.replay.pop(0)
+        number_kept, count, is_tuple, *outs = entry
+        if number_kept != number or not outs or outs[0].device != x.device or \
+                not all(o.shape[0] in (x.shape[0], x.shape[0] * x.shape[1]) for o in outs):
+            self.replay = None  # not this forward's: recompute from here on
+            return None
+        return count, bool(is_tuple), outs
+
+    def covers(self, router_name):
+        return any(router_name.startswith(part + ".") for part in self.owner.tiled_parts)
+
+    @contextlib.contextmanager
+    def active(self, captured):
+        block = self.owner.block
+        saved = []
+        try:
+            for part in self.owner.tiled_parts:
+                module = block.get_submodule(part)
+                routers = [] if captured is None else [
+                    block.get_submodule(r) for r in self.owner.router_names if r.startswith(part + ".")]
+                saved.append((module, module.__dict__.get("forward")))
+                module.forward = self._tiled_forward(part, module, module.forward, routers, captured)
+            yield
+        finally:
+            for module, previous in reversed(saved):
+                del module.forward
+                if previous is not None:
+                    module.forward = previous
+
+    def _tiled_forward(self, part, module, original, routers, captured):
+        tile, index = self.tile, getattr(self.owner, "router_index", 0)
+        who = f"decoder block {self.owner.index}'s {part} ({type(module).__name__})"
+        # Norms are cheap to run again; the MLP's outputs are worth keeping.
+        number = None if "norm" in type(module).__name__.lower() else self.owner.tiled_parts.index(part)
+
+        def forward(*args, **kwargs):
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] <= tile or _draws_randomness(module):
+                return original(*args, **kwargs)
+            form = {}
+
+            def run(piece):
+                caught = []
+                hooks = [r.register_forward_hook(lambda _m, _i, out: caught.append(out[index])) for r in routers]
+                try:
+                    out = original(piece)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                form["tuple"] = isinstance(out, tuple)
+                outs = tuple(out) if form["tuple"] else (out,)
+                form["count"] = len(outs)
+                return outs + tuple(caught)
+
+            params = [p for p in module.parameters() if p.requires_grad]
+            replayed = self._replayed(number, x) if number is not None else None
+            if replayed is not None:
+                form["count"], form["tuple"], given = replayed
+                outs = tiled_call(run, x, tile, params, who=who, outputs=given)
+            else:
+                outs = tiled_call(run, x, tile, params, who=who)
+                if number is not None and not torch.is_grad_enabled():
+                    self.saved.append((number, form["count"], int(form["tuple"]), *[o.detach() for o in outs]))
+            own, caught = outs[:form["count"]], outs[form["count"]:]
+            if captured is not None:
+                captured.extend(caught)
+            return tuple(own) if form["tuple"] else own[0]
+
+        return forward
+
+
 class GenericBlock(_RouterCapture):
     """Decoder block ``index`` of the loaded model, called with the
-    arguments its inner model gave it (module doc)."""
+    arguments its inner model gave it (module doc). Its position-wise parts
+    run over tiles of the sequence when it is longer than the call's
+    ``sequence_tile`` (by default: roundpipe.tiling.auto_sequence_tile)."""
 
     def __init__(self, hf, stack, index):
         super().__init__()
         self.block = stack.blocks[index]
         self.index = index
+        self.tiled_parts = _position_wise_parts(self.block)
+        self.mlp_width = _mlp_width(hf.config)
         self._init_router(hf)
 
     def forward(self, state):
         positional, keywords = state["block_args"][self.index]
         values = state["values"]
-        return self._run_block(state, *[values[i] for i in positional],
-                               **{k: values[i] for k, i in keywords.items()})
+        tile = self.sequence_tile(state)
+        tiles = TiledParts(self, tile) if tile is not None else None
+        if tiles is not None and doing_recompute():
+            tiles.take_replay()
+        out = self._run_block(state, [values[i] for i in positional], {k: values[i] for k, i in keywords.items()},
+                              tiles=tiles)
+        if tiles is not None and not doing_recompute():
+            tiles.keep()
+        return out
+
+    def sequence_tile(self, state):
+        """The tile of this call (None: untiled): the call's sequence_tile,
+        or the automatic one; None when the sequence fits in one tile."""
+        hidden = state["hidden_states"]
+        if not self.tiled_parts or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            return None
+        length = hidden.shape[1]
+        tile = state.get("sequence_tile")
+        if tile is None:
+            tile = auto_sequence_tile(hidden.shape[0], length, self.mlp_width, hidden.element_size())
+        return tile if tile is not None and tile < length else None
 
 
 class DecoderStack:

@@ -2,7 +2,7 @@
 from typing import Any, Optional
 
 _FIELDS = ("num_microbatch", "recompute_grain", "output_device", "preserve_rng_state",
-           "requires_grad", "split_input", "split_label", "merge_output", "execute_plan")
+           "requires_grad", "split_input", "split_label", "merge_output", "execute_plan", "sequence_tile")
 
 
 # The engine counts microbatches in 64-bit integers; no batch comes near this.
@@ -26,6 +26,11 @@ class RoundPipeRunConfig:
     - ``merge_output``: a spec, a function ``(outputs) -> merged``, or False
       (per-microbatch values for chaining models).
     - ``execute_plan``: a ModelExecutePlan.
+    - ``sequence_tile``: tokens per tile of the sequence in which the Hugging
+      Face presets' decoder blocks run their MLP and norms (an int >= 1; at
+      least the sequence length: untiled); automatic by default
+      (roundpipe.tiling.auto_sequence_tile: untiled unless one tile's MLP
+      intermediates would pass 256 MiB). No effect on other layers.
     """
 
     __slots__ = _FIELDS
@@ -33,7 +38,7 @@ class RoundPipeRunConfig:
     def __init__(self, num_microbatch: Optional[int] = None, recompute_grain: Optional[str] = None,
                  output_device: Any = None, preserve_rng_state: Optional[bool] = None,
                  requires_grad: Optional[bool] = None, split_input: Any = None, split_label: Any = None,
-                 merge_output: Any = None, execute_plan: Any = None) -> None:
+                 merge_output: Any = None, execute_plan: Any = None, sequence_tile: Optional[int] = None) -> None:
         if num_microbatch is not None:
             if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
                 raise TypeError(f"num_microbatch must be an int, got {type(num_microbatch).__name__}")
@@ -44,6 +49,13 @@ class RoundPipeRunConfig:
         for name, value in (("preserve_rng_state", preserve_rng_state), ("requires_grad", requires_grad)):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        if sequence_tile is not None:
+            if isinstance(sequence_tile, bool) or not isinstance(sequence_tile, int):
+                raise TypeError(f"sequence_tile must be an int (tokens per tile) or None (automatic), got "
+                                f"{type(sequence_tile).__name__} {sequence_tile!r}")
+            if sequence_tile < 1:
+                raise ValueError(f"sequence_tile must be >= 1 token per tile, got {sequence_tile}; "
+                                 "use None for the automatic tile")
         if execute_plan is not None and not (hasattr(execute_plan, "fwd_plan") and hasattr(execute_plan, "bwd_plan")):
             raise TypeError(f"execute_plan must be a roundpipe.ModelExecutePlan, got {type(execute_plan).__name__}")
         self.num_microbatch = num_microbatch
@@ -55,6 +67,7 @@ class RoundPipeRunConfig:
         self.split_label = split_label
         self.merge_output = merge_output
         self.execute_plan = execute_plan
+        self.sequence_tile = sequence_tile
 
     def __repr__(self):
         set_fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS if getattr(self, f) is not None)
