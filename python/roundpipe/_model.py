@@ -164,8 +164,9 @@ class RoundPipe(nn.Module):
             raise TypeError(f"RoundPipe: model must be a torch.nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
             raise TypeError(f"RoundPipe: optim_dtype must be a torch.dtype or None, got {optim_dtype!r}")
-        if pin_model not in _PIN_MODES:
-            raise ValueError(f"RoundPipe: pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
+        # Types are checked here; values once, by the engine (RoundPipeOptions).
+        if not isinstance(pin_model, str):
+            raise TypeError(f"RoundPipe: pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
         if process_group is not None and not isinstance(process_group, _C.ProcessGroup):
             from .distributed import _from_torch_group
             converted = _from_torch_group(process_group)
@@ -175,15 +176,13 @@ class RoundPipe(nn.Module):
                                 "roundpipe.distributed.ProcessGroup, or None; got "
                                 f"{type(process_group).__name__}")
             process_group = converted
-        if gradient_reduction not in ("sum", "mean"):
-            raise ValueError(f"RoundPipe: gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
+        if not isinstance(gradient_reduction, str):
+            raise TypeError(f"RoundPipe: gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
         if not isinstance(overlap_iterations, bool):
             raise TypeError(f"RoundPipe: overlap_iterations must be a bool, got {overlap_iterations!r}")
         if sync_warmup_steps is not None:
             if isinstance(sync_warmup_steps, bool) or not isinstance(sync_warmup_steps, int):
                 raise TypeError(f"RoundPipe: sync_warmup_steps must be an int or None, got {sync_warmup_steps!r}")
-            if sync_warmup_steps < 0:
-                raise ValueError(f"RoundPipe: sync_warmup_steps must be >= 0, got {sync_warmup_steps}")
         if model_run_config is None:
             model_run_config = RoundPipeRunConfig()
         if not isinstance(model_run_config, RoundPipeRunConfig):

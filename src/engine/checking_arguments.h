@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <string>
 
 namespace roundpipe {
@@ -19,6 +20,12 @@ auto checking_arguments(const std::string& model, const char* call, F&& f) {
     e.add_context("in RoundPipe model '" + model + "': " + call);  // same object, same type
     throw;
   }
+}
+
+// RunConfig::num_microbatch, wherever a config is given (the model's
+// defaults, a call's).
+inline void check_num_microbatch(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 1, "num_microbatch must be >= 1, got ", n);
 }
 
 }  // namespace roundpipe

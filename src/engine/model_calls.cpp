@@ -59,7 +59,7 @@ c10::optional<int64_t> batch_size_of(const RunConfig& cfg, const std::vector<c10
 int64_t microbatches_for(const std::string& model, int64_t num_devices, const RunConfig& cfg,
                          c10::optional<int64_t> batch) {
   int64_t n = cfg.num_microbatch().value_or(num_devices + 1);
-  TORCH_CHECK_VALUE(n >= 1, "num_microbatch must be >= 1, got ", n);
+  check_num_microbatch(n);
   if (batch && *batch < n) {
     TORCH_CHECK_VALUE(*batch >= 1, "the batch is empty (dim 0 of the first input tensor is 0)");
     TORCH_WARN("RoundPipe '", model, "': num_microbatch ", n, " is larger than the batch size ",

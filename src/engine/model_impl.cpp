@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <malloc.h>
 
+#include "engine/checking_arguments.h"
 #include "engine/data_parallel.h"
 #include "engine/lifetime.h"
 #include "engine/rng.h"
@@ -20,6 +21,8 @@ namespace {
 int64_t devices_of(int64_t max, const RoundPipeOptions& options) {
   TORCH_CHECK_VALUE(!options.sync_warmup_steps || *options.sync_warmup_steps >= 0,
                     "RoundPipe: sync_warmup_steps must be >= 0, got ", *options.sync_warmup_steps);
+  if (options.run_config.num_microbatch())
+    check_num_microbatch(*options.run_config.num_microbatch());
   const int64_t pool = DevicePool::instance().size();
   TORCH_CHECK_VALUE(max >= 0 && max <= pool, "RoundPipe: max_devices must be in 0..", pool,
                     " (0 = all devices of the pool), got ", max);
@@ -81,10 +84,6 @@ RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers, RoundPip
       pipeline_(name_, layers_, *store_, optimizer_.gate(), planner_, gradients_, num_devices_,
                 options.process_group ? options.process_group->rank() : 0,
                 initial_seed(options, *store_, layers_)) {
-  if (defaults_.num_microbatch()) {
-    TORCH_CHECK_VALUE(*defaults_.num_microbatch() >= 1, "num_microbatch must be >= 1, got ",
-                      *defaults_.num_microbatch());
-  }
   if (defaults_.execute_plan()) planner_.check_model_plan(*defaults_.execute_plan());
   optimizer_.make_copies(options.optim_dtype);
   gradients_ = GradientSums(GradientSums::sum_dtypes(*store_));  // in the copies' dtypes

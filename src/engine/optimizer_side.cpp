@@ -47,8 +47,6 @@ OptimizerSide::OptimizerSide(std::string name, HostStore& store, int64_t num_lay
       gate_(std::make_unique<ParamGate>(num_layers)),
       group_(std::move(group)),
       reduction_(reduction) {
-  TORCH_CHECK_VALUE(sync_warmup_steps >= 0, "RoundPipe: sync_warmup_steps must be >= 0, got ",
-                    sync_warmup_steps);
   if (group_) {
     // Not on an optimizer thread: in a step_fn, or the model's own
     // collectives, the steps are what is running.

@@ -44,7 +44,8 @@ class HostStore;
 
 class OptimizerSide {
  public:
-  // `name`: the model's, for errors; `store`: its parameters (outlives this).
+  // `name`: the model's, for errors; `store`: its parameters (outlives this);
+  // `sync_warmup_steps` >= 0 (RoundPipe::Impl checks its options).
   OptimizerSide(std::string name, HostStore& store, int64_t num_layers, int64_t sync_warmup_steps,
                 std::shared_ptr<ProcessGroup> group, GradientReduction reduction);
   // Runs what is queued, then ends the thread.
