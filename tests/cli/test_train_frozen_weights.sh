@@ -87,6 +87,37 @@ else
   echo "nf4 resume at step 6: steps 7..12 equal the uninterrupted run's losses"
 fi
 
+# 5. --save-hf of an NF4 run: transformers + PEFT load the dequantized base
+# and the adapter, and give the run's evaluation loss (fp32 model).
+py=${ROUNDPIPE_TEST_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/.venv/bin/python}
+if "$py" -c "import transformers, peft" 2>/dev/null; then
+  python3 - "$tmp" <<'PY'
+import array, sys
+text = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
+array.array("H", list(text)).tofile(open(sys.argv[1] + "/train.bin", "wb"))
+array.array("H", list(text[:2000])).tofile(open(sys.argv[1] + "/val.bin", "wb"))
+PY
+  "$bin" "${lora[@]}" --dtype fp32 --steps 6 --frozen-weights nf4 --data "$tmp/train.bin" --eval-data "$tmp/val.bin" \
+    --eval-batches 1 --save-hf "$tmp/hf32" >"$tmp/hf32.log" 2>&1 || { fail "nf4 run with --save-hf"; cat "$tmp/hf32.log"; }
+  "$py" - "$tmp/hf32" "$tmp/val.bin" "$tmp/hf32.log" <<'PY' || fail "--save-hf of an nf4 run does not load as the run's model (above)"
+import array, re, sys
+import torch, transformers, peft
+out, val, log = sys.argv[1:4]
+expected = float(re.search(r"eval loss ([0-9.]+)", open(log).read()).group(1))
+tokens = array.array("H")
+tokens.frombytes(open(val, "rb").read())
+rows = torch.tensor([tokens[w * 32:w * 32 + 33].tolist() for w in range(8)])
+model = peft.AutoPeftModelForCausalLM.from_pretrained(out)
+with torch.no_grad():
+    logits = model(input_ids=rows[:, :32]).logits.float()
+got = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item()
+assert abs(got - expected) < 1e-4, f"PEFT over the written base: eval loss {got:.6f}, the run printed {expected:.4f}"
+print(f"--save-hf nf4: PEFT over the dequantized base gives the run's eval loss {expected:.4f}")
+PY
+else
+  echo "skipped the --save-hf loading check: $py cannot import transformers and peft"
+fi
+
 if [ "$failures" -ne 0 ]; then
   echo "$failures failure(s)"
   exit 1
