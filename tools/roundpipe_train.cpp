@@ -334,7 +334,16 @@ int run(const TrainOptions& o) {
     CheckpointState state;
     state.optimizer = &optimizer;
     state.scaler = sc;
-    load_checkpoint(o.resume, model, state);
+    try {
+      load_checkpoint(o.resume, model, state);
+    } catch (const c10::ValueError& e) {
+      if (o.lora_rank == 0) throw;
+      // Packed and unpacked weights have other names: say which flags must match.
+      throw InputError(std::string(e.what_without_backtrace()) +
+                       "; a LoRA checkpoint resumes with its run's --lora-rank, --lora-targets and "
+                       "--frozen-weights (this run: --frozen-weights " +
+                       (o.frozen_weights.empty() ? std::string("none") : o.frozen_weights) + ")");
+    }
     start_step = state.step;
     data.train->seek(DataPosition::from_state(state.extra_state));
     resume_note = "resumed from " + o.resume + " at step " + std::to_string(start_step);

@@ -87,6 +87,9 @@ else
   echo "nf4 resume at step 6: steps 7..12 equal the uninterrupted run's losses"
 fi
 
+# Resuming a packed run's checkpoint without --frozen-weights names the flag.
+bad "this run: --frozen-weights none" "${lora[@]}" --steps 12 --resume "$tmp/b.ckpt"
+
 # 5. --save-hf of an NF4 run: transformers + PEFT load the dequantized base
 # and the adapter, and give the run's evaluation loss (fp32 model).
 py=${ROUNDPIPE_TEST_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/.venv/bin/python}
