@@ -27,6 +27,7 @@
 #include <roundpipe/lora.h>
 #include <roundpipe/model.h>
 #include <roundpipe/optim/adam.h>
+#include <roundpipe/packed_linear.h>
 #include <roundpipe/presets.h>
 #include <roundpipe/token_data.h>
 #include <roundpipe/trace.h>
@@ -264,10 +265,21 @@ int run(const TrainOptions& o) {
     lora.rank = o.lora_rank;
     lora.alpha = o.lora_alpha;
     lora.target_modules = split_list(o.lora_targets);
-    const int64_t adapted = apply_lora(net, lora);  // freezes everything else
+    lora.frozen_weights = o.frozen_weights;
+    const int64_t adapted = apply_lora(net, lora);  // freezes everything else, packs if asked
     weights_note += "; LoRA rank " + std::to_string(o.lora_rank) + ", alpha " +
                     c10::str(o.lora_alpha) + " on " + o.lora_targets + " (" +
                     std::to_string(adapted) + " projections)";
+    if (!o.frozen_weights.empty()) {
+      const int64_t bytes = packed_weight_bytes(net);
+      const int64_t elements = packed_weight_elements(net);
+      char per[32];
+      std::snprintf(per, sizeof per, "%.3f", double(bytes) / double(elements));
+      weights_note += "; frozen projection weights " + o.frozen_weights + ": " +
+                      human_bytes(bytes) + " in host memory (" + per + " B/weight; " +
+                      human_bytes(elements * int64_t(c10::elementSize(dtype))) + " in " + o.dtype +
+                      ")";
+    }
   }
 
   const bool compact = o.optimizer_state == "compact";
@@ -314,14 +326,24 @@ int run(const TrainOptions& o) {
                            {"seq_len", o.seq_len},
                            {"batch_size", o.batch_size},
                            {"steps", o.steps},
-                           {"lora_rank", o.lora_rank}};
+                           {"lora_rank", o.lora_rank},
+                           {"frozen_weights", o.frozen_weights.empty() ? "none" : o.frozen_weights}};
   int64_t start_step = 0;
   std::string resume_note;
   if (!o.resume.empty()) {
     CheckpointState state;
     state.optimizer = &optimizer;
     state.scaler = sc;
-    load_checkpoint(o.resume, model, state);
+    try {
+      load_checkpoint(o.resume, model, state);
+    } catch (const c10::ValueError& e) {
+      if (o.lora_rank == 0) throw;
+      // Packed and unpacked weights have other names: say which flags must match.
+      throw InputError(std::string(e.what_without_backtrace()) +
+                       "; a LoRA checkpoint resumes with its run's --lora-rank, --lora-targets and "
+                       "--frozen-weights (this run: --frozen-weights " +
+                       (o.frozen_weights.empty() ? std::string("none") : o.frozen_weights) + ")");
+    }
     start_step = state.step;
     data.train->seek(DataPosition::from_state(state.extra_state));
     resume_note = "resumed from " + o.resume + " at step " + std::to_string(start_step);
@@ -345,7 +367,8 @@ int run(const TrainOptions& o) {
   const int64_t tokens_per_step = o.batch_size * o.seq_len;
 
   // ---- Start-up log ----
-  const int64_t total_params = count_elements(net->parameters());
+  // Packed weights are buffers now, yet parameters of the model all the same.
+  const int64_t total_params = count_elements(net->parameters()) + packed_weight_elements(net);
   const int64_t trained_params = count_elements(optim_params);
   std::printf(
       "roundpipe-train: %s, %lld layers, hidden %lld, %lld heads (%lld kv), vocab %lld: "

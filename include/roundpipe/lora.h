@@ -37,21 +37,27 @@ struct LoraConfig {
   // Any of q_proj, k_proj, v_proj, o_proj (attention), gate_proj, up_proj,
   // down_proj (MLP). Duplicates are ignored.
   std::vector<std::string> target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  // "" keeps the frozen projection weights in the model's dtype; "nf4", "fp4"
+  // or "int8" packs them (packed_linear.h) once the adapters are added. The
+  // embedding and the head stay in the model's dtype.
+  std::string frozen_weights;
 
   // Throws c10::ValueError naming the problem: rank < 1, alpha <= 0 (or not
-  // finite), an empty target_modules, or an unknown module name.
+  // finite), an empty target_modules, an unknown module name, or an unknown
+  // frozen_weights format.
   void validate() const;
 };
 
 // Adds an adapter to each projection named in config.target_modules of every
 // decoder block of `decoder`, a Sequential made by make_decoder, and freezes
 // every other parameter (requires_grad false), the base weights of the
-// adapted projections included. Call before wrapping the Sequential in a
-// RoundPipe (which reads requires_grad when it is constructed). Returns the
-// number of adapted projections (num_hidden_layers * distinct targets).
-// Throws c10::ValueError, changing nothing, when the config is invalid, when
-// `decoder` is not a preset (embedding | blocks | head), or when it already
-// has adapters (apply_lora called twice).
+// adapted projections included; with config.frozen_weights set, then packs
+// every projection's weight (pack_frozen_weights, packed_linear.h: after the
+// dtype conversion, for the dequantized weights take the weights' dtype). Call before wrapping the
+// Sequential in a RoundPipe (which reads requires_grad when it is constructed). Returns the number
+// of adapted projections (num_hidden_layers * distinct targets). Throws c10::ValueError, changing
+// nothing, when the config is invalid, when `decoder` is not a preset (embedding | blocks | head),
+// or when it already has adapters (apply_lora called twice).
 int64_t apply_lora(torch::nn::Sequential& decoder, const LoraConfig& config);
 
 // The adapter tensors of `decoder` (the parameters themselves, not copies) with

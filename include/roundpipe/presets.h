@@ -153,6 +153,12 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 //   y = x @ weight^T (+ bias) + lora_scaling * (x @ lora_A^T) @ lora_B^T.
 // Clones (RoundPipe makes one per device) keep the adapter: reset()
 // registers it whenever lora_rank > 0.
+//
+// A frozen weight may be kept packed (packed_linear.h): pack_weight drops the
+// parameter "weight" and registers the packed buffers ("packed", "scales",
+// ... as the Python PackedLinear's), and forward dequantizes them to
+// weight_dtype for its matmul. Module::to(dtype) then changes weight_dtype,
+// the bias and the adapter, never the codes or their scales.
 class ProjectionImpl : public torch::nn::Cloneable<ProjectionImpl> {
  public:
   ProjectionImpl(int64_t in_features, int64_t out_features, bool bias);
@@ -164,18 +170,33 @@ class ProjectionImpl : public torch::nn::Cloneable<ProjectionImpl> {
   // already has an adapter.
   void add_adapter(int64_t rank, double scaling);
   bool has_adapter() const { return lora_rank > 0; }
+  // Packs the weight in `format` ("nf4", "fp4", "int8"). Throws
+  // c10::ValueError, changing nothing, for an unknown format, a weight that
+  // requires grad (trained weights are never packed) or one packed already.
+  void pack_weight(const std::string& format);
+  bool is_packed() const { return !packed_format.empty(); }
+  // The weight [out, in]: `weight` itself, or dequantized from the buffers.
+  at::Tensor dense_weight() const;
+
+  using torch::nn::Module::to;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
 
   int64_t in_features, out_features;
   bool with_bias;
   int64_t lora_rank = 0;      // 0: no adapter
   double lora_scaling = 0.0;  // alpha / rank
-  at::Tensor weight;          // [out, in]
+  at::Tensor weight;          // [out, in], undefined once packed
   at::Tensor bias;            // [out], undefined unless with_bias
   at::Tensor lora_A;          // [rank, in], undefined without an adapter
   at::Tensor lora_B;          // [out, rank], undefined without an adapter
+  std::string packed_format;  // "" unless packed
+  at::ScalarType weight_dtype = at::kFloat;  // the dequantized weight's (packed only)
+  std::vector<at::Tensor> packed_buffers;    // in packed_linear.h's order (packed only)
 
  private:
   void reset_adapter();
+  void reset_packed();
 };
 TORCH_MODULE(Projection);
 

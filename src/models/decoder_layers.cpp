@@ -8,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "roundpipe/packed_linear.h"
 #include "roundpipe/presets.h"
 
 namespace roundpipe {
@@ -83,22 +84,74 @@ ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, bool bias_)
 
 void ProjectionImpl::reset() {
   // As torch::nn::Linear (same draws from the generator, in the same order).
-  weight = register_parameter("weight", torch::empty({out_features, in_features}));
+  // A packed projection's clone gets no weight: its buffers come instead.
+  if (!is_packed()) weight = register_parameter("weight", torch::empty({out_features, in_features}));
   if (with_bias) bias = register_parameter("bias", torch::empty({out_features}));
   {
     torch::NoGradGuard no_grad;
-    torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (!is_packed()) torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
     if (with_bias) {
       const double bound = in_features > 0 ? 1.0 / std::sqrt(double(in_features)) : 0.0;
       bias.uniform_(-bound, bound);
     }
   }
+  if (is_packed()) reset_packed();
   if (lora_rank > 0) reset_adapter();
 }
 
+// Placeholders of the packed buffers' names and dtypes (clone() then sets
+// their data).
+void ProjectionImpl::reset_packed() {
+  const at::Tensor probe = at::zeros({1, 1}, at::TensorOptions().dtype(weight_dtype));
+  std::vector<at::Tensor> buffers;
+  for (const auto& [name, t] : quantize_weight(probe, packed_format)) {
+    buffers.push_back(register_buffer(name, at::empty({0}, t.options())));
+  }
+  packed_buffers = std::move(buffers);
+}
+
+void ProjectionImpl::pack_weight(const std::string& format) {
+  check_frozen_weight_format(format, "Projection::pack_weight");
+  TORCH_CHECK_VALUE(!is_packed(), "Projection::pack_weight: the weight is packed already (",
+                    packed_format, ")");
+  TORCH_CHECK_VALUE(!weight.requires_grad(), "Projection::pack_weight: frozen weights are packed (",
+                    format,
+                    "), but this weight is trained (requires_grad true): freeze it (apply_lora "
+                    "freezes every base weight) or leave it unpacked");
+  std::vector<std::pair<std::string, at::Tensor>> packed = quantize_weight(weight, format);
+  const at::ScalarType dtype = weight.scalar_type();
+  // The full-precision weight goes as its packed form comes.
+  parameters_.erase("weight");
+  weight = at::Tensor();
+  packed_format = format;
+  weight_dtype = dtype;
+  packed_buffers.clear();
+  for (auto& [name, t] : packed) packed_buffers.push_back(register_buffer(name, std::move(t)));
+}
+
+at::Tensor ProjectionImpl::dense_weight() const {
+  if (!is_packed()) return weight;
+  return dequantize_weight(packed_format, packed_buffers, out_features, in_features, weight_dtype);
+}
+
+void ProjectionImpl::to(torch::Dtype dtype, bool non_blocking) {
+  if (!is_packed()) return torch::nn::Module::to(dtype, non_blocking);
+  // The codes and their scales keep their dtypes: only the computation's changes.
+  for (auto& p : parameters(/*recurse=*/false)) p.set_data(p.to(dtype, non_blocking));
+  weight_dtype = dtype;
+}
+
+void ProjectionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  if (!is_packed()) return torch::nn::Module::to(device, dtype, non_blocking);
+  torch::nn::Module::to(device, non_blocking);
+  to(dtype, non_blocking);
+}
+
 void ProjectionImpl::reset_adapter() {
-  lora_A = register_parameter("lora_A", torch::empty({lora_rank, in_features}, weight.options()));
-  lora_B = register_parameter("lora_B", torch::zeros({out_features, lora_rank}, weight.options()));
+  const at::TensorOptions options =
+      is_packed() ? packed_buffers.front().options().dtype(weight_dtype) : weight.options();
+  lora_A = register_parameter("lora_A", torch::empty({lora_rank, in_features}, options));
+  lora_B = register_parameter("lora_B", torch::zeros({out_features, lora_rank}, options));
   torch::NoGradGuard no_grad;
   torch::nn::init::kaiming_uniform_(lora_A, std::sqrt(5.0));
 }
@@ -113,7 +166,9 @@ void ProjectionImpl::add_adapter(int64_t rank, double scaling) {
 }
 
 at::Tensor ProjectionImpl::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(x, weight, bias);
+  // A packed weight is dequantized here, on the layer's device, and dropped
+  // after the matmul.
+  at::Tensor y = at::linear(x, dense_weight(), bias);
   if (lora_rank == 0) return y;
   return y + at::linear(at::linear(x, lora_A), lora_B) * lora_scaling;
 }

@@ -5,6 +5,7 @@
 #include <set>
 #include <string>
 
+#include "roundpipe/packed_linear.h"
 #include "roundpipe/presets.h"
 
 namespace roundpipe {
@@ -45,6 +46,7 @@ void LoraConfig::validate() const {
     TORCH_CHECK_VALUE(known_modules().count(name) == 1, "LoraConfig: unknown target module '", name,
                       "' (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
   }
+  if (!frozen_weights.empty()) check_frozen_weight_format(frozen_weights, "LoraConfig: frozen_weights");
 }
 
 int64_t apply_lora(torch::nn::Sequential& decoder, const LoraConfig& config) {
@@ -84,6 +86,8 @@ int64_t apply_lora(torch::nn::Sequential& decoder, const LoraConfig& config) {
       ++adapted;
     }
   }
+  // Every base weight is frozen now: pack them, one projection at a time.
+  if (!config.frozen_weights.empty()) pack_frozen_weights(decoder, config.frozen_weights);
   return adapted;
 }
 

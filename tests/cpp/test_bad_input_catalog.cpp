@@ -995,6 +995,28 @@ std::vector<Case> model_file_cases() {
          torch::nn::Sequential net(nullptr);
          apply_lora(net, LoraConfig());
        }},
+      {"LoraConfig::validate", "unknown frozen_weights", K::kValue, {"LoraConfig", "frozen_weights", "'nf3'"},
+       [] {
+         LoraConfig c;
+         c.frozen_weights = "nf3";
+         c.validate();
+       }},
+      {"Projection::pack_weight", "trained weight", K::kValue, {"pack_weight", "requires_grad"},
+       [] { Projection(4, 4, false)->pack_weight("nf4"); }},
+      {"Projection::pack_weight", "unknown format", K::kValue, {"pack_weight", "'q8'", "nf4, fp4, int8"},
+       [] { Projection(4, 4, false)->pack_weight("q8"); }},
+      {"pack_frozen_weights", "not a preset", K::kValue, {"pack_frozen_weights", "make_decoder"},
+       [] {
+         torch::nn::Sequential net = make_mlp();
+         pack_frozen_weights(net, "nf4");
+       }},
+      {"pack_frozen_weights", "null Sequential holder", K::kValue, {"pack_frozen_weights", "null"},
+       [] {
+         torch::nn::Sequential net(nullptr);
+         pack_frozen_weights(net, "int8");
+       }},
+      {"quantize_weight", "not 2-d", K::kValue, {"quantize_weight", "[out, in]"},
+       [] { quantize_weight(torch::ones({4}), "fp4"); }},
   };
   {
     torch::manual_seed(5);

@@ -1,5 +1,6 @@
 #include "export.h"
 
+#include <roundpipe/packed_linear.h>
 #include <roundpipe/safetensors.h>
 
 #include <c10/util/Exception.h>
@@ -148,10 +149,15 @@ std::string save_hf(const torch::nn::Sequential& net, const DecoderConfig& confi
 
   // The weights by their Hugging Face names: the masters after synchronize().
   const auto params = net->named_parameters();
+  // Packed frozen weights (--frozen-weights) are written dequantized: the base
+  // the adapters were trained against, in the model's dtype.
+  std::map<std::string, at::Tensor> dequantized;
+  for (auto& [name, t] : dequantized_frozen_weights(net)) dequantized.emplace(name, std::move(t));
   NamedTensors tensors;
   uint64_t bytes = 0;
   for (const auto& [ours, hf] : hf_parameter_names(config)) {
-    const at::Tensor& t = params[ours];
+    const auto packed = dequantized.find(ours);
+    const at::Tensor& t = packed != dequantized.end() ? packed->second : params[ours];
     tensors.emplace_back(hf, t);
     bytes += t.numel() * t.element_size();
   }
@@ -169,6 +175,7 @@ std::string save_hf(const torch::nn::Sequential& net, const DecoderConfig& confi
     written.insert(shards.begin(), shards.end());
     weights = std::to_string(shards.size()) + " shards and " + kSafetensorsIndexName;
   }
+  if (!dequantized.empty()) weights += " with the packed frozen weights dequantized";
 
   std::string adapter;
   if (e.lora_rank > 0) {

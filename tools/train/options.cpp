@@ -194,6 +194,11 @@ void add_options(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   app.add_option("--lora-targets", o.lora_targets, "comma-separated projections that get adapters")
       ->capture_default_str();
+  app.add_option("--frozen-weights", o.frozen_weights,
+                 "with --lora-rank: keep the frozen projection weights packed in host memory, "
+                 "dequantized on the devices (nf4, fp4: 4-bit with double quantization; int8: "
+                 "per-row scales); default: the model's dtype")
+      ->check(CLI::IsMember({"nf4", "fp4", "int8"}));
   app.add_option("--trace", o.trace, "write a Chrome trace (Perfetto) of the run to this file");
   app.add_option("--metrics", o.metrics,
                  "write one JSON object per step and evaluation (JSON Lines)");
@@ -266,6 +271,12 @@ void validate(TrainOptions& o) {
   }
   if (o.save_every > 0 && o.checkpoint.empty()) fail("--save-every needs --checkpoint PATH");
   if (o.lora_rank > 0 && split_list(o.lora_targets).empty()) fail("--lora-targets lists no module");
+  if (!o.frozen_weights.empty() && o.lora_rank == 0) {
+    // Full training updates every weight: none is frozen, so none can be packed.
+    fail("--frozen-weights " + o.frozen_weights +
+         " packs the frozen weights of a LoRA run, but without --lora-rank every weight is "
+         "trained: add --lora-rank R (e.g. --lora-rank 8), or drop --frozen-weights");
+  }
   // Every file the run writes, before it starts ("{step}" as at step 0).
   if (!o.checkpoint.empty()) check_output_path("--checkpoint", checkpoint_path(o.checkpoint, 0));
   if (!o.trace.empty()) check_output_path("--trace", o.trace);

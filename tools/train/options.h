@@ -58,6 +58,7 @@ struct TrainOptions {
   int64_t lora_rank = 0;  // 0: full fine-tuning
   double lora_alpha = 16.0;
   std::string lora_targets = "q_proj,v_proj";
+  std::string frozen_weights;  // "" | nf4 | fp4 | int8: the frozen weights packed (LoRA only)
   std::string trace;
   std::string metrics;
   std::string save_hf;              // a Hugging Face model directory written at the end
