@@ -11,7 +11,7 @@
 #include <set>
 #include <thread>
 
-#include "optim/optimizer_thread.h"
+#include "engine/optimizer_thread.h"
 #include "models.h"
 
 namespace roundpipe {
