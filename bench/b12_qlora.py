@@ -12,10 +12,11 @@ frozen weights.
   state, the engine, the embeddings) is the bf16 run's growth less its
   bf16 frozen weights (2 bytes each), and the NF4 run's growth less that,
   per frozen block-linear weight, is host_bytes_per_frozen_param_nf4.
-- Bytes uploaded per iteration: every tensor of every layer (parameters and
-  buffers) is uploaded for the forward and again for the recomputation and
-  backward; counted from the wrapped layers' tensors (the engine keeps no
-  transfer counters), NF4 against bf16.
+- Bytes uploaded per iteration: the bytes of the stages' parameter uploads
+  in one traced iteration after those three (the engine's trace records
+  each upload's size), NF4 against bf16; printed beside it, what the wrapped
+  layers' tensors predict (each uploaded for the forward and again for the
+  recomputation and backward).
 - Q2: a tiny Hugging Face Qwen3 (hidden 128, 4 blocks) with LoRA r 8 trained
   200 steps on generated token rows (AdamW lr 2e-3, batch 8 x 64), the same
   seed and data with the frozen weights in NF4 and in bf16: the mean loss of
@@ -79,7 +80,25 @@ def host_child(fmt):
         net.step(lambda: (opt.step(), opt.zero_grad()))
     net.synchronize()
     gc.collect()
-    print("B12CHILD " + json.dumps({"growth": rss_bytes() - before, "frozen": frozen, "uploaded": uploaded}))
+    growth = rss_bytes() - before
+    # One more iteration, traced: the engine's own record of the bytes each
+    # stage's parameter upload moved (its "upload" events).
+    import tempfile
+
+    from roundpipe.trace import start_trace, stop_trace
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b12.json")
+        start_trace(path)
+        net.forward_backward(input_kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda o, _: o.loss)
+        net.step(lambda: (opt.step(), opt.zero_grad()))
+        net.synchronize()
+        stop_trace()
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    traced = sum(int(e["args"]["bytes"]) for e in events
+                 if e.get("cat") == "upload" and e["name"].startswith("params") and "bytes" in e.get("args", {}))
+    print("B12CHILD " + json.dumps({"growth": growth, "frozen": frozen, "uploaded": traced,
+                                    "uploaded_from_layers": uploaded}))
 
 
 def quality_child(fmt):
@@ -147,7 +166,8 @@ def main():
     upload_ratio = nf4["uploaded"] / bf16["uploaded"]
     print(f"host: resident growth {bf16['growth'] / 2**20:.1f} MiB (bf16) and {nf4['growth'] / 2**20:.1f} MiB "
           f"(nf4) for {frozen / 1e6:.1f}M frozen block weights; uploaded per iteration "
-          f"{bf16['uploaded'] / 2**20:.1f} MiB and {nf4['uploaded'] / 2**20:.1f} MiB", flush=True)
+          f"{bf16['uploaded'] / 2**20:.1f} MiB and {nf4['uploaded'] / 2**20:.1f} MiB (from the layers' tensors: "
+          f"{bf16['uploaded_from_layers'] / 2**20:.1f} and {nf4['uploaded_from_layers'] / 2**20:.1f})", flush=True)
     q_bf16, q_nf4 = run("quality", "bf16"), run("quality", "nf4")
     ratio = q_nf4["final_loss"] / q_bf16["final_loss"]
     print(f"Q2: final loss {q_bf16['final_loss']:.4f} (bf16 base), {q_nf4['final_loss']:.4f} (nf4 base)")
