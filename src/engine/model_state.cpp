@@ -78,7 +78,7 @@ void RoundPipe::Impl::load_state_dict(const std::vector<std::pair<std::string, a
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, source), checked first
   std::vector<std::string> missing;
-  for (auto& [name, dst] : state_dict()) {
+  for (auto& [name, dst] : named_state()) {  // current: quiesced above
     auto it = given.find(name);
     if (it == given.end()) {
       missing.push_back(name);
