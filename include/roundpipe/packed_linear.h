@@ -7,20 +7,25 @@
 //   roundpipe::apply_lora(net, lora);           // adapters, then packing
 //
 // The formats and their arithmetic are those of the Python API
-// (python/roundpipe/packed.py): for the same weight the buffers and the
+// (python/roundpipe/packed.py): for the same weight the packed tensors and the
 // dequantized weight are bitwise equal to its PackedLinear's.
 //
 // - "nf4" / "fp4": 4 bits per weight in bitsandbytes' layout (two codes per
 //   byte, the first in the high nibble; blocks of 64 weights scaled by their
 //   absolute maximum), with double quantization: the block maxima less their
 //   mean, as 8-bit codes of bitsandbytes' dynamic map in blocks of 256.
-//   Buffers, in order: "packed" uint8 [ceil(n / 2)], "scales" uint8
+//   Tensors, in order: "packed" uint8 [ceil(n / 2)], "scales" uint8
 //   [ceil(n / 64)], "nested_scales" fp32 [ceil(n / 64 / 256)], "offset" fp32
 //   [] (the mean), "nested_code" fp32 [256], "code" fp32 [16]. About 0.516
 //   bytes per weight.
 // - "int8": "packed" int8 [out, in] (round(w / scale), half to even) and
 //   "row_scale" fp32 [out] (the row's absolute maximum / 127). About 1 byte
 //   per weight.
+//
+// The packed tensors are frozen parameters (requires_grad false, as
+// bitsandbytes' Params4bit), so the engine keeps them in its host slab,
+// page-locked like every parameter, and uploads them with the stage's other
+// parameters in one copy; no optimizer copy is made for them.
 //
 // Dequantization is the code's fp32 value times the block's fp32 scale,
 // rounded once to the weight's dtype (what bitsandbytes' dequantize_4bit
@@ -53,19 +58,19 @@ at::Tensor four_bit_code(const std::string& format);
 // bitsandbytes' signed 8-bit dynamic map: 256 sorted fp32 values.
 at::Tensor dynamic_code();
 
-// The buffers (names and tensors, in the order above) of `weight` [out, in]
+// The packed tensors (names and tensors, in the order above) of `weight` [out, in]
 // (any floating dtype, on the CPU) packed in `format`. Throws c10::ValueError
 // for an unknown format or a weight that is not a floating 2-d tensor.
 std::vector<std::pair<std::string, at::Tensor>> quantize_weight(const at::Tensor& weight,
                                                                 const std::string& format);
 
-// The weight [out, in] in `dtype` from `buffers` (in quantize_weight's order,
+// The weight [out, in] in `dtype` from `tensors` (in quantize_weight's order,
 // on any one device).
-at::Tensor dequantize_weight(const std::string& format, const std::vector<at::Tensor>& buffers,
+at::Tensor dequantize_weight(const std::string& format, const std::vector<at::Tensor>& tensors,
                              int64_t out_features, int64_t in_features, at::ScalarType dtype);
 
 // Replaces the weight of every Projection of the decoder blocks of `decoder`
-// (a Sequential made by make_decoder) by its packed buffers, one projection at
+// (a Sequential made by make_decoder) by its packed tensors, one projection at
 // a time (its full-precision weight is released as its packed form is made).
 // The embedding, the head and every bias stay as they are. Call after the
 // dtype conversion (the dequantized weights take the weights' dtype) and
@@ -75,7 +80,7 @@ at::Tensor dequantize_weight(const std::string& format, const std::vector<at::Te
 // packed.
 int64_t pack_frozen_weights(torch::nn::Sequential& decoder, const std::string& format);
 
-// Bytes of the packed buffers of `decoder`'s projections (0 when none).
+// Bytes of the packed tensors of `decoder`'s projections (0 when none).
 int64_t packed_weight_bytes(const torch::nn::Sequential& decoder);
 
 // Elements of the weights that are packed (their [out, in] sizes summed).

@@ -155,8 +155,8 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 // registers it whenever lora_rank > 0.
 //
 // A frozen weight may be kept packed (packed_linear.h): pack_weight drops the
-// parameter "weight" and registers the packed buffers ("packed", "scales",
-// ... as the Python PackedLinear's), and forward dequantizes them to
+// parameter "weight" and registers the packed tensors ("packed", "scales",
+// ... as the Python PackedLinear's) as frozen parameters, and forward dequantizes them to
 // weight_dtype for its matmul. Module::to(dtype) then changes weight_dtype,
 // the bias and the adapter, never the codes or their scales.
 class ProjectionImpl : public torch::nn::Cloneable<ProjectionImpl> {
@@ -175,7 +175,7 @@ class ProjectionImpl : public torch::nn::Cloneable<ProjectionImpl> {
   // requires grad (trained weights are never packed) or one packed already.
   void pack_weight(const std::string& format);
   bool is_packed() const { return !packed_format.empty(); }
-  // The weight [out, in]: `weight` itself, or dequantized from the buffers.
+  // The weight [out, in]: `weight` itself, or dequantized from the packed tensors.
   at::Tensor dense_weight() const;
 
   using torch::nn::Module::to;
@@ -192,7 +192,7 @@ class ProjectionImpl : public torch::nn::Cloneable<ProjectionImpl> {
   at::Tensor lora_B;          // [out, rank], undefined without an adapter
   std::string packed_format;  // "" unless packed
   at::ScalarType weight_dtype = at::kFloat;  // the dequantized weight's (packed only)
-  std::vector<at::Tensor> packed_buffers;    // in packed_linear.h's order (packed only)
+  std::vector<at::Tensor> packed_tensors;    // in packed_linear.h's order (packed only)
 
  private:
   void reset_adapter();

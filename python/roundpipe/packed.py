@@ -12,9 +12,12 @@ recomputation and backward). :class:`PackedLinear` keeps it packed instead:
 - ``"int8"``: one signed byte per weight, one fp32 scale per output row
   (the row's absolute maximum / 127). About 1 byte per weight.
 
-The packed bytes and their quantization state are the module's buffers, so
-the engine uploads them together, fenced like any upload, and never
-downloads them (no layer writes them); the weight is dequantized on the
+The packed bytes and their quantization state are the module's frozen
+parameters (``requires_grad=False``, as bitsandbytes' ``Params4bit``), so
+the engine keeps them in its host slab at their exact size, page-locked like
+every parameter, uploads them with the stage's other parameters in one copy,
+fenced like any upload, and never downloads them (nothing trains them; no
+optimizer copy is made for them); the weight is dequantized on the
 device inside the layer's run, in the model's dtype, and dropped after the
 matmul: a device holds one layer's dequantized weights at a time.
 Dequantization is the product of the code's fp32 value and the block's fp32
@@ -123,15 +126,16 @@ class PackedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is kept packed (module doc). The
     bias, if any, stays a parameter as it was."""
 
-    def __init__(self, fmt: str, shape, dtype: torch.dtype, bias: Optional[torch.Tensor], **buffers: torch.Tensor):
+    def __init__(self, fmt: str, shape, dtype: torch.dtype, bias: Optional[torch.Tensor], **packed: torch.Tensor):
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"PackedLinear: format must be one of {FORMATS}, got {fmt!r}")
         self.fmt = fmt
         self.out_features, self.in_features = int(shape[0]), int(shape[1])
         self.weight_dtype = dtype
-        for name, tensor in buffers.items():
-            self.register_buffer(name, tensor)
+        self.packed_names = tuple(packed)
+        for name, tensor in packed.items():
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         self.bias = bias
 
     @classmethod
@@ -146,12 +150,12 @@ class PackedLinear(nn.Module):
             w = weight.detach().float()
             scale = w.abs().amax(dim=1).clamp(min=1e-38) / 127
             q = torch.clamp(torch.round(w / scale.unsqueeze(1)), -127, 127).to(torch.int8)
-            buffers = {"packed": q, "row_scale": scale}
+            tensors = {"packed": q, "row_scale": scale}
         else:
             packed, scales, nested, offset = quantize_4bit(weight, fmt)
-            buffers = {"packed": packed, "scales": scales, "nested_scales": nested, "offset": offset,
+            tensors = {"packed": packed, "scales": scales, "nested_scales": nested, "offset": offset,
                        "nested_code": dynamic_code(), "code": four_bit_code(fmt)}
-        return cls(fmt, shape, dtype, linear.bias, **buffers)
+        return cls(fmt, shape, dtype, linear.bias, **tensors)
 
     @classmethod
     def from_bitsandbytes(cls, module: nn.Module) -> "PackedLinear":
@@ -167,17 +171,17 @@ class PackedLinear(nn.Module):
         if state.nested:
             if state.state2.blocksize != NESTED_BLOCK:
                 raise ValueError(f"bitsandbytes nested blocksize {state.state2.blocksize} is not supported")
-            buffers = {"packed": packed, "scales": state.absmax, "nested_scales": state.state2.absmax,
+            tensors = {"packed": packed, "scales": state.absmax, "nested_scales": state.state2.absmax,
                        "offset": torch.as_tensor(state.offset, dtype=torch.float32),
                        "nested_code": state.state2.code.float(), "code": state.code.float()}
         else:  # plain fp32 block maxima: as nested ones with unit levels
             raise ValueError("bitsandbytes 4-bit weights without double quantization are not supported: load with "
                              "bnb_4bit_use_double_quant=True")
         bias = module.bias
-        return cls(state.quant_type, tuple(state.shape), state.dtype, bias, **buffers)
+        return cls(state.quant_type, tuple(state.shape), state.dtype, bias, **tensors)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight in its dtype, computed from the packed buffers."""
+        """The weight in its dtype, computed from the packed tensors."""
         if self.fmt == "int8":
             return (self.packed.float() * self.row_scale.unsqueeze(1)).to(self.weight_dtype)
         return dequantize_4bit(self.packed, self.scales, self.nested_scales, self.offset, self.nested_code,
@@ -192,9 +196,10 @@ class PackedLinear(nn.Module):
 
 
 def packed_bytes(module: nn.Module) -> int:
-    """Bytes of the packed buffers of every PackedLinear in ``module``."""
-    return sum(b.numel() * b.element_size() for m in module.modules() if isinstance(m, PackedLinear)
-               for b in m.buffers(recurse=False))
+    """Bytes of the packed tensors (codes and quantization state) of every
+    PackedLinear in ``module``."""
+    return sum(t.numel() * t.element_size() for m in module.modules() if isinstance(m, PackedLinear)
+               for t in (getattr(m, name) for name in m.packed_names))
 
 
 def _is_bitsandbytes_4bit(module):

@@ -84,7 +84,7 @@ ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, bool bias_)
 
 void ProjectionImpl::reset() {
   // As torch::nn::Linear (same draws from the generator, in the same order).
-  // A packed projection's clone gets no weight: its buffers come instead.
+  // A packed projection's clone gets no weight: its packed tensors come instead.
   if (!is_packed()) weight = register_parameter("weight", torch::empty({out_features, in_features}));
   if (with_bias) bias = register_parameter("bias", torch::empty({out_features}));
   {
@@ -99,15 +99,15 @@ void ProjectionImpl::reset() {
   if (lora_rank > 0) reset_adapter();
 }
 
-// Placeholders of the packed buffers' names and dtypes (clone() then sets
+// Placeholders of the packed tensors' names and dtypes (clone() then sets
 // their data).
 void ProjectionImpl::reset_packed() {
   const at::Tensor probe = at::zeros({1, 1}, at::TensorOptions().dtype(weight_dtype));
-  std::vector<at::Tensor> buffers;
+  std::vector<at::Tensor> tensors;
   for (const auto& [name, t] : quantize_weight(probe, packed_format)) {
-    buffers.push_back(register_buffer(name, at::empty({0}, t.options())));
+    tensors.push_back(register_parameter(name, at::empty({0}, t.options()), /*requires_grad=*/false));
   }
-  packed_buffers = std::move(buffers);
+  packed_tensors = std::move(tensors);
 }
 
 void ProjectionImpl::pack_weight(const std::string& format) {
@@ -125,19 +125,34 @@ void ProjectionImpl::pack_weight(const std::string& format) {
   weight = at::Tensor();
   packed_format = format;
   weight_dtype = dtype;
-  packed_buffers.clear();
-  for (auto& [name, t] : packed) packed_buffers.push_back(register_buffer(name, std::move(t)));
+  packed_tensors.clear();
+  // Frozen parameters, not buffers: the engine keeps parameters in its host
+  // slab (exact size, page-locked) and uploads a stage's in one copy.
+  for (auto& [name, t] : packed) {
+    packed_tensors.push_back(register_parameter(name, std::move(t), /*requires_grad=*/false));
+  }
+  if (has_adapter()) {
+    // The adapter after the packed tensors, the order reset() registers them
+    // in: a replica (a clone) binds its master's parameters by position.
+    const bool a_trained = lora_A.requires_grad(), b_trained = lora_B.requires_grad();
+    parameters_.erase("lora_A");
+    parameters_.erase("lora_B");
+    lora_A = register_parameter("lora_A", lora_A, a_trained);
+    lora_B = register_parameter("lora_B", lora_B, b_trained);
+  }
 }
 
 at::Tensor ProjectionImpl::dense_weight() const {
   if (!is_packed()) return weight;
-  return dequantize_weight(packed_format, packed_buffers, out_features, in_features, weight_dtype);
+  return dequantize_weight(packed_format, packed_tensors, out_features, in_features, weight_dtype);
 }
 
 void ProjectionImpl::to(torch::Dtype dtype, bool non_blocking) {
   if (!is_packed()) return torch::nn::Module::to(dtype, non_blocking);
   // The codes and their scales keep their dtypes: only the computation's changes.
-  for (auto& p : parameters(/*recurse=*/false)) p.set_data(p.to(dtype, non_blocking));
+  for (at::Tensor* p : {&bias, &lora_A, &lora_B}) {
+    if (p->defined()) p->set_data(p->to(dtype, non_blocking));
+  }
   weight_dtype = dtype;
 }
 
@@ -149,7 +164,7 @@ void ProjectionImpl::to(torch::Device device, torch::Dtype dtype, bool non_block
 
 void ProjectionImpl::reset_adapter() {
   const at::TensorOptions options =
-      is_packed() ? packed_buffers.front().options().dtype(weight_dtype) : weight.options();
+      is_packed() ? packed_tensors.front().options().dtype(weight_dtype) : weight.options();
   lora_A = register_parameter("lora_A", torch::empty({lora_rank, in_features}, options));
   lora_B = register_parameter("lora_B", torch::zeros({out_features, lora_rank}, options));
   torch::NoGradGuard no_grad;

@@ -1,7 +1,7 @@
 // Frozen weights kept packed (packed_linear.h): NF4 / FP4 with double
 // quantization and int8 per row. Every step is the torch operation
 // python/roundpipe/packed.py performs, in the same order and dtypes, so the
-// packed buffers and the dequantized weights are bitwise the Python ones.
+// packed tensors and the dequantized weights are bitwise the Python ones.
 #include "roundpipe/packed_linear.h"
 
 #include <ATen/ATen.h>
@@ -162,18 +162,18 @@ std::vector<std::pair<std::string, at::Tensor>> quantize_weight(const at::Tensor
   return is_four_bit(format) ? quantize_4bit(weight, format) : quantize_int8(weight);
 }
 
-at::Tensor dequantize_weight(const std::string& format, const std::vector<at::Tensor>& buffers,
+at::Tensor dequantize_weight(const std::string& format, const std::vector<at::Tensor>& tensors,
                              int64_t out_features, int64_t in_features, at::ScalarType dtype) {
   check_frozen_weight_format(format, "dequantize_weight");
   if (format == "int8") {
-    TORCH_CHECK_VALUE(buffers.size() == 2, "dequantize_weight: int8 has 2 buffers, got ",
-                      buffers.size());
-    return (buffers[0].to(at::kFloat) * buffers[1].unsqueeze(1)).to(dtype);
+    TORCH_CHECK_VALUE(tensors.size() == 2, "dequantize_weight: int8 has 2 packed tensors, got ",
+                      tensors.size());
+    return (tensors[0].to(at::kFloat) * tensors[1].unsqueeze(1)).to(dtype);
   }
-  TORCH_CHECK_VALUE(buffers.size() == 6, "dequantize_weight: ", format, " has 6 buffers, got ",
-                    buffers.size());
-  const at::Tensor &packed = buffers[0], &scales = buffers[1], &nested = buffers[2],
-                   &offset = buffers[3], &nested_code = buffers[4], &code = buffers[5];
+  TORCH_CHECK_VALUE(tensors.size() == 6, "dequantize_weight: ", format, " has 6 packed tensors, got ",
+                    tensors.size());
+  const at::Tensor &packed = tensors[0], &scales = tensors[1], &nested = tensors[2],
+                   &offset = tensors[3], &nested_code = tensors[4], &code = tensors[5];
   const int64_t n = out_features * in_features;
   const at::Tensor maxima = nested_code.index_select(0, scales.to(at::kLong)) *
                                 expand(nested, scales.numel(), kNestedBlock) +
@@ -211,7 +211,7 @@ int64_t pack_frozen_weights(torch::nn::Sequential& decoder, const std::string& f
 int64_t packed_weight_bytes(const torch::nn::Sequential& decoder) {
   int64_t bytes = 0;
   for (const auto& [name, p] : projections(decoder)) {
-    for (const at::Tensor& b : p->packed_buffers) bytes += b.numel() * int64_t(b.element_size());
+    for (const at::Tensor& b : p->packed_tensors) bytes += b.numel() * int64_t(b.element_size());
   }
   return bytes;
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -245,8 +246,8 @@ TEST(PackedLinear, RoundTripErrorIsBoundedByTheFormat) {
   }
 }
 
-// A packed Projection: the weight parameter is gone, the buffers are the
-// quantized weight's, forward is the linear of the dequantized weight (and
+// A packed Projection: the weight parameter is gone, frozen parameters hold
+// the quantized weight (before the adapter's, in clones too), forward is the linear of the dequantized weight (and
 // the adapter), clones and dtype conversions keep the codes.
 TEST(PackedLinear, ProjectionComputesWithItsDequantizedWeight) {
   torch::manual_seed(4);
@@ -267,15 +268,18 @@ TEST(PackedLinear, ProjectionComputesWithItsDequantizedWeight) {
 
   EXPECT_TRUE(p->is_packed());
   EXPECT_FALSE(p->weight.defined());
-  std::vector<std::string> params, buffers;
+  const std::vector<std::string> names = {"bias",   "packed",      "scales", "nested_scales",
+                                           "offset", "nested_code", "code",   "lora_A",
+                                           "lora_B"};
+  std::vector<std::string> params;
   for (const auto& item : p->named_parameters()) params.push_back(item.key());
-  for (const auto& item : p->named_buffers()) buffers.push_back(item.key());
-  EXPECT_EQ(params, (std::vector<std::string>{"bias", "lora_A", "lora_B"}));
-  EXPECT_EQ(buffers, (std::vector<std::string>{"packed", "scales", "nested_scales", "offset",
-                                               "nested_code", "code"}));
+  EXPECT_EQ(params, names);
+  EXPECT_TRUE(p->named_buffers().is_empty());
   for (size_t i = 0; i < expected.size(); ++i) {
-    EXPECT_TRUE(torch::equal(p->packed_buffers[i], expected[i].second)) << expected[i].first;
+    EXPECT_TRUE(torch::equal(p->packed_tensors[i], expected[i].second)) << expected[i].first;
+    EXPECT_FALSE(p->packed_tensors[i].requires_grad()) << expected[i].first;
   }
+  EXPECT_TRUE(p->lora_A.requires_grad());
   const at::Tensor w = p->dense_weight();
   EXPECT_EQ(w.scalar_type(), at::kBFloat16);
   EXPECT_EQ(fnv1a(w), 0x98d4e583f1b04b64ULL);  // golden_cases()' nf4, bf16, [131, 129]
@@ -289,18 +293,20 @@ TEST(PackedLinear, ProjectionComputesWithItsDequantizedWeight) {
   auto clone = std::dynamic_pointer_cast<ProjectionImpl>(p->clone());
   ASSERT_TRUE(clone);
   EXPECT_TRUE(clone->is_packed());
-  EXPECT_EQ(clone->named_buffers().size(), 6u);
-  EXPECT_FALSE(clone->packed_buffers[0].is_same(p->packed_buffers[0]));
+  params.clear();
+  for (const auto& item : clone->named_parameters()) params.push_back(item.key());
+  EXPECT_EQ(params, names) << "a replica binds its master's parameters in order";
+  EXPECT_FALSE(clone->packed_tensors[0].is_same(p->packed_tensors[0]));
   EXPECT_TRUE(torch::equal(clone->forward(x), want));
 
   // to(dtype) changes the computation's dtype, not the codes or scales.
   clone->to(at::kFloat);
-  EXPECT_EQ(clone->packed_buffers[0].scalar_type(), at::kByte);
-  EXPECT_EQ(clone->packed_buffers[2].scalar_type(), at::kFloat);
+  EXPECT_EQ(clone->packed_tensors[0].scalar_type(), at::kByte);
+  EXPECT_EQ(clone->packed_tensors[2].scalar_type(), at::kFloat);
   EXPECT_EQ(clone->dense_weight().scalar_type(), at::kFloat);
   EXPECT_EQ(clone->bias.scalar_type(), at::kFloat);
   EXPECT_TRUE(torch::equal(clone->dense_weight(),
-                           dequantize_weight("nf4", p->packed_buffers, 131, 129, at::kFloat)));
+                           dequantize_weight("nf4", p->packed_tensors, 131, 129, at::kFloat)));
 }
 
 TEST(PackedLinear, BadRequestsAreClearErrorsThatChangeNothing) {
@@ -342,8 +348,8 @@ TEST(PackedLinear, BadRequestsAreClearErrorsThatChangeNothing) {
 }
 
 // A short LoRA run of the tiny Llama (bf16, 2 CPU devices) with NF4 frozen
-// weights: only the adapters train, the packed buffers stay bitwise as they
-// were, the losses are finite and within 2 % of the same run's on bf16
+// weights: only the adapters train, the packed tensors live in the engine's
+// one parameter slab and stay bitwise as they were, the losses are finite and within 2 % of the same run's on bf16
 // frozen weights.
 TEST(PackedLinear, LoraOnNf4FrozenWeightsTrainsLikeBf16) {
   const DecoderConfig c = tiny_llama_config();
@@ -363,7 +369,9 @@ TEST(PackedLinear, LoraOnNf4FrozenWeightsTrainsLikeBf16) {
     lora.frozen_weights = format;
     apply_lora(net, lora);
     std::map<std::string, at::Tensor> before;
-    for (const auto& b : net->named_buffers()) before[b.key()] = b.value().clone();
+    for (const auto& p : net->named_parameters()) {
+      if (!p.value().requires_grad()) before[p.key()] = p.value().clone();
+    }
     if (!format.empty()) {
       EXPECT_EQ(packed_weight_elements(net), projection_weights(c));
       // About 0.52 bytes per weight (4 bits, a byte per 64) and the code tables.
@@ -375,6 +383,30 @@ TEST(PackedLinear, LoraOnNf4FrozenWeightsTrainsLikeBf16) {
     RoundPipe model(net, RoundPipeOptions()
                              .set_max_devices(std::min<int64_t>(2, get_num_devices()))
                              .set_optim_dtype(at::kFloat));
+    if (!format.empty()) {
+      // Packed tensors are parameters: in the slab (one allocation, 64-byte
+      // aligned, in layer order), page-locked on a GPU and uploaded with
+      // the rest of a stage in one copy.
+      std::set<std::pair<const uint8_t*, int64_t>> spans;
+      int64_t packed_in_slab = 0;
+      for (const at::Tensor& p : net->parameters()) {
+        spans.emplace(static_cast<const uint8_t*>(p.data_ptr()), int64_t(p.nbytes()));
+      }
+      const uint8_t* first = spans.begin()->first;
+      const uint8_t* end = first;
+      int64_t rounded = 0;
+      for (const auto& [at, bytes] : spans) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(at) % 64, 0u);
+        EXPECT_GE(at, end) << "not overlapping";
+        end = at + bytes;
+        rounded += (bytes + 63) / 64 * 64;
+      }
+      EXPECT_LE(end - first, rounded) << "one allocation";
+      for (const auto& item : net->named_parameters()) {
+        if (item.key().find("packed") != std::string::npos) ++packed_in_slab;
+      }
+      EXPECT_EQ(packed_in_slab, 7 * c.num_hidden_layers);
+    }
     std::vector<std::string> trained;
     for (const auto& item : model.optim_named_parameters()) trained.push_back(item.first);
     EXPECT_EQ(trained.size(), size_t(2 * 7 * c.num_hidden_layers));  // the adapters only
@@ -394,8 +426,10 @@ TEST(PackedLinear, LoraOnNf4FrozenWeightsTrainsLikeBf16) {
     model.synchronize();
     for (double l : losses[format]) EXPECT_TRUE(std::isfinite(l));
     EXPECT_LT(losses[format].back(), losses[format].front());
-    for (const auto& b : net->named_buffers()) {
-      EXPECT_TRUE(torch::equal(b.value(), before.at(b.key()))) << b.key() << " changed";
+    for (const auto& p : net->named_parameters()) {
+      if (!p.value().requires_grad()) {
+        EXPECT_TRUE(torch::equal(p.value(), before.at(p.key()))) << p.key() << " changed";
+      }
     }
   }
   const auto& bf16 = losses[""];
