@@ -1,8 +1,8 @@
 // The layers of the decoder presets: RMSNorm, rotary embeddings, attention,
 // MLP, and the embedding / block / head value layers.
 #include <ATen/ATen.h>
-#include <torch/version.h>
 #include <torch/nn/init.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <limits>
@@ -85,7 +85,8 @@ ProjectionImpl::ProjectionImpl(int64_t in, int64_t out, bool bias_)
 void ProjectionImpl::reset() {
   // As torch::nn::Linear (same draws from the generator, in the same order).
   // A packed projection's clone gets no weight: its packed tensors come instead.
-  if (!is_packed()) weight = register_parameter("weight", torch::empty({out_features, in_features}));
+  if (!is_packed())
+    weight = register_parameter("weight", torch::empty({out_features, in_features}));
   if (with_bias) bias = register_parameter("bias", torch::empty({out_features}));
   {
     torch::NoGradGuard no_grad;
@@ -105,7 +106,8 @@ void ProjectionImpl::reset_packed() {
   const at::Tensor probe = at::zeros({1, 1}, at::TensorOptions().dtype(weight_dtype));
   std::vector<at::Tensor> tensors;
   for (const auto& [name, t] : quantize_weight(probe, packed_format)) {
-    tensors.push_back(register_parameter(name, at::empty({0}, t.options()), /*requires_grad=*/false));
+    tensors.push_back(
+        register_parameter(name, at::empty({0}, t.options()), /*requires_grad=*/false));
   }
   packed_tensors = std::move(tensors);
 }

@@ -170,8 +170,8 @@ at::Tensor dequantize_weight(const std::string& format, const std::vector<at::Te
                       tensors.size());
     return (tensors[0].to(at::kFloat) * tensors[1].unsqueeze(1)).to(dtype);
   }
-  TORCH_CHECK_VALUE(tensors.size() == 6, "dequantize_weight: ", format, " has 6 packed tensors, got ",
-                    tensors.size());
+  TORCH_CHECK_VALUE(tensors.size() == 6, "dequantize_weight: ", format,
+                    " has 6 packed tensors, got ", tensors.size());
   const at::Tensor &packed = tensors[0], &scales = tensors[1], &nested = tensors[2],
                    &offset = tensors[3], &nested_code = tensors[4], &code = tensors[5];
   const int64_t n = out_features * in_features;

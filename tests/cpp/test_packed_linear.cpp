@@ -247,8 +247,8 @@ TEST(PackedLinear, RoundTripErrorIsBoundedByTheFormat) {
 }
 
 // A packed Projection: the weight parameter is gone, frozen parameters hold
-// the quantized weight (before the adapter's, in clones too), forward is the linear of the dequantized weight (and
-// the adapter), clones and dtype conversions keep the codes.
+// the quantized weight (before the adapter's, in clones too), forward is the linear of the
+// dequantized weight (and the adapter), clones and dtype conversions keep the codes.
 TEST(PackedLinear, ProjectionComputesWithItsDequantizedWeight) {
   torch::manual_seed(4);
   Projection p(129, 131, /*bias=*/true);
@@ -268,9 +268,9 @@ TEST(PackedLinear, ProjectionComputesWithItsDequantizedWeight) {
 
   EXPECT_TRUE(p->is_packed());
   EXPECT_FALSE(p->weight.defined());
-  const std::vector<std::string> names = {"bias",   "packed",      "scales", "nested_scales",
-                                           "offset", "nested_code", "code",   "lora_A",
-                                           "lora_B"};
+  const std::vector<std::string> names = {"bias",          "packed", "scales",
+                                          "nested_scales", "offset", "nested_code",
+                                          "code",          "lora_A", "lora_B"};
   std::vector<std::string> params;
   for (const auto& item : p->named_parameters()) params.push_back(item.key());
   EXPECT_EQ(params, names);
@@ -349,8 +349,8 @@ TEST(PackedLinear, BadRequestsAreClearErrorsThatChangeNothing) {
 
 // A short LoRA run of the tiny Llama (bf16, 2 CPU devices) with NF4 frozen
 // weights: only the adapters train, the packed tensors live in the engine's
-// one parameter slab and stay bitwise as they were, the losses are finite and within 2 % of the same run's on bf16
-// frozen weights.
+// one parameter slab and stay bitwise as they were, the losses are finite and within 2 % of the
+// same run's on bf16 frozen weights.
 TEST(PackedLinear, LoraOnNf4FrozenWeightsTrainsLikeBf16) {
   const DecoderConfig c = tiny_llama_config();
   torch::manual_seed(21);
