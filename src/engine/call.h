@@ -56,7 +56,7 @@ struct ForwardRecord {
 struct ModelView {
   std::string name;
   std::vector<std::shared_ptr<LayerHandle>>* layers;
-  HostStore* store;
+  const HostStore* store;
   uint64_t seed;
   // Added to microbatch indices in random-stream keys: with data parallelism,
   // process r's microbatch m draws as microbatch r * M + m of one process.

@@ -9,6 +9,7 @@
 #include "engine/data_parallel.h"
 #include "engine/lifetime.h"
 #include "engine/rng.h"
+#include "engine/shared_devices.h"
 #include "engine/trace_recorder.h"
 #include "runtime/device_pool.h"
 
@@ -81,7 +82,8 @@ RoundPipe::Impl::Impl(std::vector<std::shared_ptr<LayerHandle>> layers, RoundPip
       optimizer_(name_, *store_, num_layers(),
                  options.sync_warmup_steps.value_or(get_sync_warmup_steps()), options.process_group,
                  options.gradient_reduction),
-      pipeline_(name_, layers_, *store_, optimizer_.gate(), planner_, gradients_, num_devices_,
+      pipeline_(name_, layers_, *store_, optimizer_.gate(), planner_.timer(), gradients_,
+                SharedDevices::instance(), num_devices_,
                 options.process_group ? options.process_group->rank() : 0,
                 initial_seed(options, *store_, layers_)) {
   if (defaults_.execute_plan()) planner_.check_model_plan(*defaults_.execute_plan());

@@ -5,26 +5,29 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "engine/call_timing.h"
 #include "engine/host_store.h"
 #include "engine/job_runner.h"
+#include "engine/planner.h"
 #include "engine/trace_recorder.h"
-#include "runtime/device_pool.h"
 #include "schedule/lane_program.h"
 #include "util/value_tree.h"
 
 namespace roundpipe {
 
 Pipeline::Pipeline(std::string name, std::vector<std::shared_ptr<LayerHandle>>& layers,
-                   HostStore& store, const ParamGate& gate, Planner& planner,
-                   GradientSums& gradients, int64_t num_devices, int64_t rank, uint64_t seed)
+                   const HostStore& store, const ParamGate& gate, ModelTimer& timer,
+                   GradientSums& gradients, SharedDevices& devices, int64_t num_devices,
+                   int64_t rank, uint64_t seed)
     : name_(std::move(name)),
       layers_(layers),
       store_(store),
       gate_(gate),
-      planner_(planner),
+      timer_(timer),
       gradients_(gradients),
+      devices_(devices),
       num_devices_(num_devices),
       rank_(rank),
       seed_(seed) {
@@ -42,11 +45,6 @@ Pipeline::~Pipeline() {
     }
     add_to_trace(*call);  // a trace written at exit shows every call
   }
-}
-
-Dispatcher& Pipeline::dispatcher() {
-  static Dispatcher instance(DevicePool::instance().size());
-  return instance;
 }
 
 std::shared_ptr<Call> Pipeline::make_call(CallKind kind, const ModelExecutePlan& plan,
@@ -133,8 +131,9 @@ void Pipeline::submit(const std::shared_ptr<Call>& call, CallIssue issue) {
   // is in other units than the ledger's milliseconds, which the pool's
   // other models share.
   std::vector<double> job_ms;
-  if (planner_.layers_timed()) job_ms = job_times_ms(call->jobs, planner_.layer_costs());
-  dispatcher().assign(call->jobs, num_devices_, job_ms, call->num_microbatch, issue);
+  if (std::optional<LayerCosts> costs = measured_layer_costs(timer_))
+    job_ms = job_times_ms(call->jobs, *costs);
+  devices_.dispatcher().assign(call->jobs, num_devices_, job_ms, call->num_microbatch, issue);
   call->programs = make_lane_programs(call->jobs, call->num_microbatch);
   call->find_readers();
   std::vector<int64_t> devices;
@@ -144,7 +143,7 @@ void Pipeline::submit(const std::shared_ptr<Call>& call, CallIssue issue) {
     tasks.push_back(
         [c = call.get(), j](Device& dev) { run_job(*c, j, dev); });  // the call outlives its jobs
   }
-  DevicePool::instance().submit_batch(devices, tasks);
+  devices_.pool().submit_batch(devices, tasks);
 }
 
 void Pipeline::finish(Call& call) {
@@ -154,7 +153,7 @@ void Pipeline::finish(Call& call) {
     add_to_trace(call);
     throw;
   }
-  record_layer_times(call, planner_.timer());
+  record_layer_times(call, timer_);
   add_to_trace(call);
 }
 

@@ -25,6 +25,12 @@
 // (BufferHandoff: its downloads of what it wrote, the host tensors it read
 // for the rest), and the host buffers take them when that call is applied.
 //
+// What it needs, given at construction, outlives it: the model's layers and
+// host store (which the jobs read), the parameter gate (which their uploads
+// wait on), the timer (which finished calls record into and whose estimates
+// place their jobs), the gradient sums (which applied calls add to), and the
+// devices every model shares (the pool and its dispatcher).
+//
 // Thread-safety: the model's user thread only. The GradientsInFlight a step
 // takes belongs to the optimizer thread.
 #pragma once
@@ -43,9 +49,10 @@
 #include "engine/gradients_in_flight.h"
 #include "engine/layer_handle.h"
 #include "engine/param_gate.h"
-#include "engine/planner.h"
+#include "engine/shared_devices.h"
 #include "roundpipe/microbatch.h"
 #include "roundpipe/run_config.h"
+#include "roundpipe/timer.h"
 #include "schedule/scheduler.h"
 
 namespace roundpipe {
@@ -54,12 +61,14 @@ class HostStore;
 
 class Pipeline {
  public:
-  // Over the model's parts, which outlive it. `rank`: the process's in data
-  // parallelism (0 alone); its microbatch m draws random numbers as
+  // Over what it needs (above), which outlives it. Its calls run on the
+  // first `num_devices` devices of `devices`' pool. `rank`: the process's
+  // in data parallelism (0 alone); its microbatch m draws random numbers as
   // microbatch rank * M + m of one process would.
-  Pipeline(std::string name, std::vector<std::shared_ptr<LayerHandle>>& layers, HostStore& store,
-           const ParamGate& gate, Planner& planner, GradientSums& gradients, int64_t num_devices,
-           int64_t rank, uint64_t seed);
+  Pipeline(std::string name, std::vector<std::shared_ptr<LayerHandle>>& layers,
+           const HostStore& store, const ParamGate& gate, ModelTimer& timer,
+           GradientSums& gradients, SharedDevices& devices, int64_t num_devices, int64_t rank,
+           uint64_t seed);
   // Waits for the call in flight: its jobs use the layers and the store.
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
@@ -130,15 +139,14 @@ class Pipeline {
   void forget_buffers_of(const Call& call);
   static void wait_for_callers_streams(const Call& call);
   static void own_inputs(Call& call);
-  // The device assignment shared by every model of the process.
-  static Dispatcher& dispatcher();
 
   const std::string name_;
   std::vector<std::shared_ptr<LayerHandle>>& layers_;
-  HostStore& store_;
+  const HostStore& store_;
   const ParamGate& gate_;
-  Planner& planner_;
+  ModelTimer& timer_;
   GradientSums& gradients_;
+  SharedDevices& devices_;
   const int64_t num_devices_;
   const int64_t rank_;
   bool has_buffers_ = false;

@@ -5,6 +5,18 @@
 
 namespace roundpipe {
 
+std::optional<LayerCosts> measured_layer_costs(const ModelTimer& timer) {
+  LayerCosts costs;
+  for (int64_t l = 0; l < timer.num_layers(); ++l) {
+    const c10::optional<double> fwd = timer.estimate(l, LayerAction::kForward);
+    if (!fwd.has_value()) return std::nullopt;
+    costs.fwd_ms.push_back(*fwd);
+    costs.recompute_ms.push_back(timer.estimate(l, LayerAction::kRecompute).value_or(*fwd));
+    costs.bwd_ms.push_back(timer.estimate(l, LayerAction::kBackward).value_or(2 * *fwd));
+  }
+  return costs;
+}
+
 bool Planner::layers_timed() const {
   for (int64_t l = 0; l < num_layers(); ++l) {
     if (!timer_.estimate(l, LayerAction::kForward).has_value()) return false;
@@ -13,15 +25,18 @@ bool Planner::layers_timed() const {
 }
 
 LayerCosts Planner::layer_costs() const {
+  std::optional<LayerCosts> measured = measured_layer_costs(timer_);
+  if (measured.has_value()) {
+    measured->param_bytes = param_bytes_;
+    return *measured;
+  }
   LayerCosts costs;
   costs.param_bytes = param_bytes_;
-  const bool timed = layers_timed();
   for (int64_t l = 0; l < num_layers(); ++l) {
     const double size = static_cast<double>(param_bytes_[l]);
-    const double fwd = timed ? *timer_.estimate(l, LayerAction::kForward) : size;
-    costs.fwd_ms.push_back(fwd);
-    costs.recompute_ms.push_back(timed ? timer_.estimate(l, LayerAction::kRecompute).value_or(fwd) : size);
-    costs.bwd_ms.push_back(timed ? timer_.estimate(l, LayerAction::kBackward).value_or(2 * fwd) : 2 * size);
+    costs.fwd_ms.push_back(size);
+    costs.recompute_ms.push_back(size);
+    costs.bwd_ms.push_back(2 * size);
   }
   return costs;
 }

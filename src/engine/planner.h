@@ -17,11 +17,17 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "engine/plan_searcher.h"
 
 namespace roundpipe {
+
+// The per-layer costs `timer` measured, once every layer has a forward time
+// (recompute defaults to forward, backward to twice forward until
+// measured); none before that. Their param_bytes are left empty.
+std::optional<LayerCosts> measured_layer_costs(const ModelTimer& timer);
 
 class Planner {
  public:

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <limits>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "runtime/copy_lane.h"
@@ -119,37 +118,8 @@ void CpuDevice::run_task(const std::function<void()>& task) {
   task();
 }
 
-void CpuDevice::inject_fault(Fault fault, int64_t nth) {
-  TORCH_CHECK_VALUE(nth >= 0, "inject_fault: nth must be >= 1 (0 disarms), got ", nth);
-  switch (fault) {
-    case Fault::kUpload: fail_upload_in_.store(nth); break;
-    case Fault::kDownload: fail_download_in_.store(nth); break;
-    case Fault::kAllocation: counter_.fail_allocation(nth); break;
-    case Fault::kCompute: fail_compute_in_.store(nth); break;
-  }
-}
-
-void CpuDevice::check_fault(Fault fault) {
-  std::atomic<int64_t>& in = fault == Fault::kUpload     ? fail_upload_in_
-                             : fault == Fault::kDownload ? fail_download_in_
-                                                         : fail_compute_in_;
-  int64_t due = in.load();
-  while (due > 0 && !in.compare_exchange_weak(due, due - 1)) {
-  }
-  TORCH_CHECK(due != 1, "injected fault: ",
-              fault == Fault::kUpload ? "upload" : fault == Fault::kDownload ? "download" : "layer computation",
-              " failed on ", name());
-}
-
-void CpuDevice::before_layer() {
-  check_fault(Fault::kCompute);
-  const int64_t delay = layer_delay_us_.load();
-  if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-}
-
 std::vector<at::Tensor> CpuDevice::upload(const std::vector<at::Tensor>& host, Lane lane,
                                           const FencePtr& after) {
-  check_fault(Fault::kUpload);
   std::vector<at::Tensor> out(host.size()), sources(host.size());
   {
     MemoryCounterScope scope(&counter_);  // device memory from now until its last use
@@ -169,7 +139,6 @@ std::vector<at::Tensor> CpuDevice::upload(const std::vector<at::Tensor>& host, L
 }
 
 std::vector<at::Tensor> CpuDevice::download(const std::vector<at::Tensor>& device_tensors) {
-  check_fault(Fault::kDownload);
   std::vector<at::Tensor> host, sources(device_tensors.size());
   {
     MemoryCounterScope host_memory(nullptr);

@@ -16,6 +16,9 @@
 // after a fence made on its lane after it (lane_fence), by compute through
 // compute_wait, by the host through Fence::synchronize.
 //
+// Tests wrap devices in a FaultInjectingDevice (fault_injecting_device.h),
+// which makes operations fail on purpose; the devices here have no test hooks.
+//
 // Thread-safety: submit(), memory queries and name() are thread-safe; every
 // other method must be called on this device's worker thread (inside a task).
 #pragma once
@@ -82,8 +85,9 @@ class Device {
   virtual c10::Device torch_device() const = 0;  // where its tensors live
 
   // Runs `task` on this device's worker thread, after every task submitted
-  // before it. The task runs with the compute lane current.
-  void submit(std::function<void()> task);
+  // before it. The task runs with the compute lane current. (A wrapper
+  // runs it on the wrapped device's worker.)
+  virtual void submit(std::function<void()> task);
 
   // Bytes in use on the device now, and the most since the last reset.
   virtual int64_t memory_allocated() const = 0;
@@ -123,7 +127,8 @@ class Device {
   // autograd thread while this device's worker waits in a backward pass.
   virtual MarkPtr mark(Lane lane) = 0;
   // Called on the worker before each layer computation (forward or
-  // recompute of one layer for one microbatch); fault injection hooks here.
+  // recompute of one layer for one microbatch); a FaultInjectingDevice
+  // hooks here.
   virtual void before_layer() {}
 
   // Fences after everything submitted on every lane so far.
@@ -159,11 +164,6 @@ class Device {
   std::deque<std::vector<FencePtr>> slots_released_;  // oldest first: their last use's fences
 };
 
-// Deliberate failures of a CPU virtual device, for tests of error handling:
-// a parameter or value upload, a download, an allocation, or a layer
-// computation (forward or recompute of one layer for one microbatch).
-enum class Fault { kUpload, kDownload, kAllocation, kCompute };
-
 class CopyLane;
 
 // The CPU virtual device.
@@ -174,10 +174,6 @@ class CpuDevice final : public Device {
   CpuDevice(int index, std::chrono::microseconds copy_delay);
   ~CpuDevice() override;
 
-  // Makes the nth (>= 1) operation of kind `fault` on this device from now
-  // fail once with a c10::Error saying "injected fault"; nth 0 disarms.
-  // Allocations count every tensor the device's work allocates.
-  void inject_fault(Fault fault, int64_t nth);
   // Memory the device may use, like an accelerator's (0: unlimited).
   // Allocations beyond it fail with "out of memory".
   void set_memory_capacity(int64_t bytes) { counter_.set_capacity(bytes); }
@@ -185,8 +181,8 @@ class CpuDevice final : public Device {
   // issued (ROUNDPIPE_CPU_COPY_DELAY_US sets it for every CPU device).
   void set_copy_delay(std::chrono::microseconds delay);
   std::chrono::microseconds copy_delay() const { return std::chrono::microseconds(copy_delay_us_.load()); }
-  // A slow device: every layer computation first sleeps this long (0: none).
-  void set_layer_delay(std::chrono::microseconds delay) { layer_delay_us_.store(delay.count()); }
+  // The counter every allocation of the device's work is charged to.
+  MemoryCounter& memory_counter() { return counter_; }
 
   c10::Device torch_device() const override { return c10::Device(c10::DeviceType::CPU); }
   int64_t memory_allocated() const override { return counter_.current(); }
@@ -203,25 +199,20 @@ class CpuDevice final : public Device {
   }
   void synchronize() override;
   MarkPtr mark(Lane lane) override;
-  void before_layer() override;
 
  protected:
   void run_task(const std::function<void()>& task) override;
 
  private:
-  void check_fault(Fault fault);
   CopyLane& copy_lane(Lane lane);
   // Makes a copy's destination read as NaN until the copy writes it, when
-  // copies are delayed (a read without its fence then shows).
+  // copies are delayed (a read without its fence then shows): part of the
+  // delayed copies SPEC 3 describes, not a test hook.
   void poison(const at::Tensor& destination) const;
 
   MemoryCounter counter_;
   std::atomic<int64_t> copy_delay_us_;
   std::unique_ptr<CopyLane> lanes_[3];  // parameter upload, activation upload, download
-  std::atomic<int64_t> fail_upload_in_{0};
-  std::atomic<int64_t> fail_download_in_{0};
-  std::atomic<int64_t> fail_compute_in_{0};
-  std::atomic<int64_t> layer_delay_us_{0};
 };
 
 // ROUNDPIPE_CPU_COPY_DELAY_US (0 when unset). Throws c10::ValueError on a

@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "roundpipe/devices.h"
+#include "runtime/fault_injecting_device.h"
 
 namespace roundpipe {
 namespace {
@@ -89,32 +91,66 @@ std::vector<std::string> DevicePool::parse_spec(const std::string& spec, int64_t
   return out;
 }
 
+namespace {
+
+// The pool, made on first use, and whether it wraps its devices.
+struct PoolSlot {
+  std::mutex mu;
+  DevicePool* pool = nullptr;  // guarded by mu
+  bool wrap = false;           // guarded by mu
+};
+
+PoolSlot& pool_slot() {
+  static PoolSlot slot;
+  return slot;
+}
+
+}  // namespace
+
 DevicePool& DevicePool::instance() {
   // Created on first use; if creation throws, the next call tries again.
-  static std::mutex mu;
-  static DevicePool* pool = nullptr;
-  std::lock_guard<std::mutex> lock(mu);
-  if (pool == nullptr) {
+  PoolSlot& slot = pool_slot();
+  std::lock_guard<std::mutex> lock(slot.mu);
+  if (slot.pool == nullptr) {
     int64_t num_cuda = at::detail::getCUDAHooks().getNumGPUs();
     const char* env = std::getenv("ROUNDPIPE_DEVICES");
     std::string spec = env != nullptr && *env != '\0' ? env : (num_cuda > 0 ? "cuda" : "cpu:1");
     // Leaked on purpose: device threads must outlive every model, including
     // ones destroyed during static destruction.
-    pool = new DevicePool(parse_spec(spec, num_cuda));
+    slot.pool = new DevicePool(parse_spec(spec, num_cuda), slot.wrap);
   }
-  return *pool;
+  return *slot.pool;
 }
 
-DevicePool::DevicePool(const std::vector<std::string>& specs) {
+void DevicePool::wrap_devices_for_fault_injection() {
+  PoolSlot& slot = pool_slot();
+  std::lock_guard<std::mutex> lock(slot.mu);
+  TORCH_CHECK(slot.pool == nullptr,
+              "wrap_devices_for_fault_injection: the device pool exists already; call it before "
+              "its first use");
+  slot.wrap = true;
+}
+
+DevicePool::DevicePool(const std::vector<std::string>& specs, bool wrap_for_fault_injection) {
   const std::chrono::microseconds copy_delay = cpu_copy_delay_from_env();
   for (size_t i = 0; i < specs.size(); ++i) {
     const int index = static_cast<int>(i);
+    std::unique_ptr<Device> device;
     if (specs[i].rfind("cpu:", 0) == 0) {
-      devices_.push_back(std::make_unique<CpuDevice>(index, copy_delay));
+      device = std::make_unique<CpuDevice>(index, copy_delay);
     } else {
-      devices_.push_back(make_accelerator_device(index, c10::Device(specs[i])));
+      device = make_accelerator_device(index, c10::Device(specs[i]));
     }
+    if (wrap_for_fault_injection) device = std::make_unique<FaultInjectingDevice>(std::move(device));
+    devices_.push_back(std::move(device));
   }
+}
+
+FaultInjectingDevice& DevicePool::fault_injecting_device(int64_t i) const {
+  auto* wrapper = dynamic_cast<FaultInjectingDevice*>(&device(i));
+  TORCH_CHECK(wrapper != nullptr, "fault_injecting_device: the device pool does not wrap its ",
+              "devices (DevicePool::wrap_devices_for_fault_injection before its first use)");
+  return *wrapper;
 }
 
 void DevicePool::submit_batch(const std::vector<int64_t>& devices,

@@ -29,7 +29,8 @@ class MemoryCounter {
   // Bytes the counter may hold at most (0: unlimited).
   void set_capacity(int64_t bytes) { capacity_.store(bytes, std::memory_order_relaxed); }
   int64_t capacity() const { return capacity_.load(std::memory_order_relaxed); }
-  // Makes the nth allocation from now fail (once); 0 disarms.
+  // Makes the nth allocation from now fail (once); 0 disarms. For tests,
+  // through FaultInjectingDevice::inject_fault.
   void fail_allocation(int64_t nth) { fail_in_.store(nth, std::memory_order_relaxed); }
 
   std::string name;  // shown in out-of-memory errors

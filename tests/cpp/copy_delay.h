@@ -1,6 +1,8 @@
 // Test helpers for CPU devices with delayed copies: while a CopyDelay lives,
 // every copy on every CPU device completes `us` microseconds after it was
-// issued, its floating-point destination reading as NaN until then.
+// issued, its floating-point destination reading as NaN until then. And the
+// CPU devices' fault-injecting wrappers, which make a device slow
+// (set_layer_delay).
 #pragma once
 
 #include <chrono>
@@ -8,15 +10,30 @@
 
 #include "runtime/device.h"
 #include "runtime/device_pool.h"
+#include "runtime/fault_injecting_device.h"
 
 namespace roundpipe {
 namespace testing {
 
+// The pool's CPU devices (inside their fault-injecting wrappers).
 inline std::vector<CpuDevice*> cpu_devices() {
   std::vector<CpuDevice*> out;
   DevicePool& pool = DevicePool::instance();
   for (int64_t i = 0; i < pool.size(); ++i) {
-    if (auto* d = dynamic_cast<CpuDevice*>(&pool.device(i))) out.push_back(d);
+    Device* d = &pool.device(i);
+    if (auto* wrapper = dynamic_cast<FaultInjectingDevice*>(d)) d = &wrapper->wrapped();
+    if (auto* cpu = dynamic_cast<CpuDevice*>(d)) out.push_back(cpu);
+  }
+  return out;
+}
+
+// The pool's CPU devices as their fault-injecting wrappers (tests/cpp/main.cpp).
+inline std::vector<FaultInjectingDevice*> slow_cpu_devices() {
+  std::vector<FaultInjectingDevice*> out;
+  DevicePool& pool = DevicePool::instance();
+  for (int64_t i = 0; i < pool.size(); ++i) {
+    FaultInjectingDevice& wrapper = pool.fault_injecting_device(i);
+    if (dynamic_cast<CpuDevice*>(&wrapper.wrapped()) != nullptr) out.push_back(&wrapper);
   }
   return out;
 }

@@ -12,6 +12,7 @@
 #include "models.h"
 #include "runtime/device.h"
 #include "runtime/device_pool.h"
+#include "runtime/fault_injecting_device.h"
 
 namespace roundpipe {
 namespace {
@@ -19,11 +20,14 @@ namespace {
 using testing::copy_of;
 using testing::make_mlp;
 
-CpuDevice& cpu_device(int64_t i) {
-  auto* dev = dynamic_cast<CpuDevice*>(&DevicePool::instance().device(i));
-  TORCH_CHECK(dev != nullptr, "these tests need CPU virtual devices");
-  return *dev;
+// Device i of the pool, whose operations the tests make fail.
+FaultInjectingDevice& faulty_device(int64_t i) {
+  FaultInjectingDevice& dev = DevicePool::instance().fault_injecting_device(i);
+  TORCH_CHECK(dynamic_cast<CpuDevice*>(&dev.wrapped()) != nullptr, "these tests need CPU virtual devices");
+  return dev;
 }
+
+CpuDevice& cpu_device(int64_t i) { return dynamic_cast<CpuDevice&>(faulty_device(i).wrapped()); }
 
 LossFn mse() { return testing::mse_loss_fn(); }
 
@@ -92,7 +96,7 @@ TEST_P(InjectedFault, ReachesTheCallerAndLeavesTheModelAsBefore) {
   const std::vector<at::Tensor> before = grads(net);
 
   // Device indices of the pool: the model uses the first two.
-  cpu_device(c.device).inject_fault(c.fault, c.nth);
+  faulty_device(c.device).inject_fault(c.fault, c.nth);
   bool failed = false;
   try {
     model.forward_backward({x1}, make_kwargs(), y1, mse(), false, config());
@@ -103,7 +107,7 @@ TEST_P(InjectedFault, ReachesTheCallerAndLeavesTheModelAsBefore) {
     EXPECT_NE(msg.find("RoundPipe model 'faulty'"), std::string::npos) << msg;
     EXPECT_NE(msg.find("cpu:" + std::to_string(c.device)), std::string::npos) << msg;
   }
-  cpu_device(c.device).inject_fault(c.fault, 0);
+  faulty_device(c.device).inject_fault(c.fault, 0);
   if (!failed) GTEST_SKIP() << "the call made fewer than " << c.nth << " such operations on that device";
   model.synchronize();
   expect_same(grads(net), before, "gradients after the failed call");
@@ -131,7 +135,7 @@ TEST(InjectedFault, EveryKindFailsOnEveryDeviceAndTheSweepSkipsOnlyPastTheLastOp
       bool stopped = false;
       for (int64_t n : {1, 2, 3, 5, 8, 13, 21}) {
         RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2));
-        cpu_device(d).inject_fault(f, n);
+        faulty_device(d).inject_fault(f, n);
         bool failed = false;
         try {
           model.forward_backward({torch::randn({6, 16})}, make_kwargs(), torch::randn({6, 4}), mse(), false,
@@ -140,7 +144,7 @@ TEST(InjectedFault, EveryKindFailsOnEveryDeviceAndTheSweepSkipsOnlyPastTheLastOp
         } catch (const c10::Error&) {
           failed = true;
         }
-        cpu_device(d).inject_fault(f, 0);
+        faulty_device(d).inject_fault(f, 0);
         const std::string point = name_of({f, d, n});
         if (failed) {
           EXPECT_FALSE(stopped) << point << " fired after a smaller point did not";
@@ -185,7 +189,7 @@ TEST(SlowDevice, ChangesTimingNotResults) {
     }
     twin.synchronize();
   }
-  cpu_device(1).set_layer_delay(std::chrono::milliseconds(3));
+  faulty_device(1).set_layer_delay(std::chrono::milliseconds(3));
   {
     // A pointer, so the model can go before the optimizer its last step uses.
     auto owned = std::make_unique<RoundPipe>(net, RoundPipeOptions().set_max_devices(2));
@@ -208,7 +212,21 @@ TEST(SlowDevice, ChangesTimingNotResults) {
     model.step([&] { opt.step(); });
     owned.reset();  // destroyed with a step in flight on a slow device (it runs first)
   }
-  cpu_device(1).set_layer_delay(std::chrono::microseconds(0));
+  faulty_device(1).set_layer_delay(std::chrono::microseconds(0));
+}
+
+// The test binary's pool wraps every device (tests/cpp/main.cpp): each
+// wrapper has its device's place and name, and a pool made already cannot be
+// asked to wrap.
+TEST(FaultInjectingDevice, WrapsEachDeviceOfThePoolOnlyWhenAskedBeforeThePoolIsMade) {
+  DevicePool& pool = DevicePool::instance();
+  for (int64_t i = 0; i < pool.size(); ++i) {
+    FaultInjectingDevice& wrapper = pool.fault_injecting_device(i);
+    EXPECT_EQ(&wrapper, &pool.device(i));
+    EXPECT_EQ(wrapper.index(), wrapper.wrapped().index());
+    EXPECT_EQ(wrapper.name(), wrapper.wrapped().name());
+  }
+  EXPECT_THROW(DevicePool::wrap_devices_for_fault_injection(), c10::Error);
 }
 
 TEST(OutOfMemory, ADeviceOverItsCapacityFailsClearlyAndRecovers) {

@@ -15,6 +15,7 @@
 #include "models.h"
 #include "runtime/device.h"
 #include "runtime/device_pool.h"
+#include "runtime/fault_injecting_device.h"
 #include "util/interrupt.h"
 
 namespace roundpipe {
@@ -28,10 +29,11 @@ struct Interrupt : std::runtime_error {
   Interrupt() : std::runtime_error("interrupt") {}
 };
 
-CpuDevice& cpu_device(int64_t i) {
-  auto* dev = dynamic_cast<CpuDevice*>(&DevicePool::instance().device(i));
-  TORCH_CHECK(dev != nullptr, "these tests need CPU virtual devices");
-  return *dev;
+// Device i of the pool, which the tests make slow.
+FaultInjectingDevice& slow_device(int64_t i) {
+  FaultInjectingDevice& dev = DevicePool::instance().fault_injecting_device(i);
+  TORCH_CHECK(dynamic_cast<CpuDevice*>(&dev.wrapped()) != nullptr, "these tests need CPU virtual devices");
+  return dev;
 }
 
 // A poll that interrupts once `after` has passed since the scope began.
@@ -51,7 +53,7 @@ TEST(Interrupt, CancelsACallLikeAFailureAndTheModelStaysUsable) {
   torch::nn::Sequential net = make_mlp(), twin_net = copy_of(net);
   RoundPipe model(net, RoundPipeOptions().set_max_devices(2)), twin(twin_net, RoundPipeOptions().set_max_devices(2));
   const at::Tensor x = torch::randn({8, 16}), y = torch::randn({8, 4});
-  for (int64_t d : {0, 1}) cpu_device(d).set_layer_delay(std::chrono::milliseconds(20));
+  for (int64_t d : {0, 1}) slow_device(d).set_layer_delay(std::chrono::milliseconds(20));
   Clock::time_point fired;
   {
     InterruptScope scope(interrupt_after(std::chrono::milliseconds(100), &fired));
@@ -59,7 +61,7 @@ TEST(Interrupt, CancelsACallLikeAFailureAndTheModelStaysUsable) {
   }
   const double late_s = std::chrono::duration<double>(Clock::now() - fired).count();
   EXPECT_LT(late_s, 1.0) << "the call ended " << late_s << " s after the interrupt";
-  for (int64_t d : {0, 1}) cpu_device(d).set_layer_delay(std::chrono::microseconds(0));
+  for (int64_t d : {0, 1}) slow_device(d).set_layer_delay(std::chrono::microseconds(0));
   model.synchronize();
   for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << "a gradient was kept";
   const at::Tensor a = model.forward_backward({x}, make_kwargs(), y, testing::mse_loss_fn(), false, eight()).toTensor();

@@ -88,7 +88,7 @@ TEST(IterationOverlap, TheCallerMayReuseItsInputsAsSoonAsTheCallReturns) {
   // The backward stages still running read the call's own copy of the
   // inputs: slow layers keep them running long after the call returned.
   const Trained reference = train(/*overlap=*/false, 3);
-  auto devices = testing::cpu_devices();
+  auto devices = testing::slow_cpu_devices();
   for (int d = 0; d < 3; ++d) devices.at(d)->set_layer_delay(std::chrono::milliseconds(2));
   const Trained scribbled = train(/*overlap=*/true, 3, 5, /*scribble=*/true);
   for (int d = 0; d < 3; ++d) devices.at(d)->set_layer_delay(std::chrono::microseconds(0));
@@ -96,7 +96,7 @@ TEST(IterationOverlap, TheCallerMayReuseItsInputsAsSoonAsTheCallReturns) {
 }
 
 TEST(IterationOverlap, TheNextCallStartsBeforeThePreviousOneEnds) {
-  auto devices = testing::cpu_devices();
+  auto devices = testing::slow_cpu_devices();
   for (int d = 0; d < 3; ++d) devices.at(d)->set_layer_delay(std::chrono::milliseconds(2));
   torch::manual_seed(1);
   RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(3).set_name("overlapped"));
@@ -220,7 +220,7 @@ TEST(IterationOverlap, ABackwardFailureIsRaisedOnceByALaterCallAndAppliesNothing
 }
 
 TEST(IterationOverlap, DestroyingAModelWithBackwardStagesInFlightFinishesThem) {
-  auto devices = testing::cpu_devices();
+  auto devices = testing::slow_cpu_devices();
   for (int d = 0; d < 2; ++d) devices.at(d)->set_layer_delay(std::chrono::milliseconds(3));
   {
     RoundPipe model(make_mlp(), RoundPipeOptions().set_max_devices(2));

@@ -92,7 +92,7 @@ TEST(Overlap, NextStageUploadsWhileThisStageComputesAndComputeWaitsOnlyForItsOwn
   // 4 ms after they are issued. The prefetch of job k+1's parameters must
   // run during job k's compute; job k's first compute must start after job
   // k's own upload completed, but before job k+1's did.
-  auto& dev = *testing::cpu_devices().at(0);
+  auto& dev = *testing::slow_cpu_devices().at(0);
   testing::CopyDelay delay(4000);
   dev.set_layer_delay(std::chrono::microseconds(3000));
   torch::manual_seed(1);
