@@ -1,8 +1,8 @@
-// A device that fails on purpose, for tests of error handling (DESIGN.md 1,
-// after leveldb's fault-injection Env): it wraps a device of the pool and
-// passes everything through to it, except that it can make an upload, a
-// download, an allocation or a layer computation fail, and can make every
-// layer computation late (a slow device).
+// A device that fails on purpose, for tests of error handling (DESIGN.md 1):
+// it wraps a device of the pool and passes everything through to it, except
+// that it can make an upload, a download, an allocation or a layer
+// computation fail, and can make every layer computation late (a slow
+// device).
 //
 // The production devices have no such hooks. The pool wraps its devices only
 // when asked before it makes them (DevicePool::wrap_devices_for_fault_injection,
