@@ -57,8 +57,12 @@ class LayerMemory:
       tiled (None: the layer is not tiled).
     - ``bytes_per_tile_token``: bytes per token of one tile while it is
       computed (tiled only).
+    - ``tiled_fixed_bytes``: what its tiled backward adds that does not
+      grow with the tokens (the tiled parts' weight gradients of one tile
+      beside their running sum).
     - ``saved_bytes_per_token``: what its forward with gradients keeps for
-      the backward pass (a fused stage keeps it for all its layers at once).
+      the backward pass (a fused stage keeps it for all its layers at once);
+      ``saved_bytes_per_token_tiled``: the same, tiled (None: as untiled).
     - ``width``: elements per token of its MLP's widest intermediate (for the
       automatic tile; 0 when not tiled).
     - ``hidden_bytes_per_token``: bytes per token of the hidden states it
@@ -73,11 +77,20 @@ class LayerMemory:
     bytes_per_token: float
     bytes_per_token_tiled: Optional[float] = None
     bytes_per_tile_token: float = 0.0
+    tiled_fixed_bytes: int = 0
     saved_bytes_per_token: float = 0.0
+    saved_bytes_per_token_tiled: Optional[float] = None
     width: int = 0
     hidden_bytes_per_token: float = 0.0
     loss_bytes_per_token: float = 0.0
     loss_chunk_tokens: int = 0
+
+    def saved_bytes(self, tokens: int, rows: int, tile: Optional[int]) -> float:
+        """What its forward with gradients keeps for ``tokens`` tokens in
+        ``rows`` rows with tiles of ``tile`` tokens (None: untiled)."""
+        if tile is not None and self.saved_bytes_per_token_tiled is not None and tile * rows < tokens:
+            return self.saved_bytes_per_token_tiled * tokens
+        return self.saved_bytes_per_token * tokens
 
     def activation_bytes(self, tokens: int, rows: int, tile: Optional[int]) -> float:
         """Activation bytes at the peak of its backward pass for ``tokens``
@@ -87,7 +100,7 @@ class LayerMemory:
         if tile is not None and self.bytes_per_token_tiled is not None and tile * rows < tokens:
             # The MLP's outputs, kept by the forward, come back for the recomputation.
             return (self.bytes_per_token_tiled + self.hidden_bytes_per_token) * tokens + \
-                self.bytes_per_tile_token * tile * rows + loss
+                self.bytes_per_tile_token * tile * rows + self.tiled_fixed_bytes + loss
         return self.bytes_per_token * tokens + loss
 
 
@@ -167,7 +180,7 @@ def predict_peak_bytes(layers: Sequence[LayerMemory], tokens: int, rows: int = 1
         if number == 0 or recompute_grain == "stage":
             # Every layer's forward keeps what its backward needs; the last
             # layer then runs its backward pass on top.
-            kept = sum(layers[i].saved_bytes_per_token * tokens for i in members[:-1])
+            kept = sum(layers[i].saved_bytes(tokens, rows, tile) for i in members[:-1])
             act = kept + layers[members[-1]].activation_bytes(tokens, rows, tile)
         else:
             act = max(layers[i].activation_bytes(tokens, rows, tile) for i in members)
@@ -221,8 +234,9 @@ def hf_layer_memory(config: Any, dtype: torch.dtype = torch.bfloat16, trainable:
     attn_bias = bool(getattr(config, "attention_bias", False))
     mlp_bias = bool(getattr(config, "mlp_bias", False))
 
-    block_params = h * qd + 2 * h * kvd + qd * h + 3 * h * width + 2 * h
-    block_params += (qd + 2 * kvd + h if attn_bias else 0) + (2 * width + h if mlp_bias else 0)
+    mlp_params = 3 * h * width + (2 * width + h if mlp_bias else 0)
+    block_params = h * qd + 2 * h * kvd + qd * h + mlp_params + 2 * h
+    block_params += qd + 2 * kvd + h if attn_bias else 0
     block_params += 2 * hd if qk_norm else 0
     upcast = 4 - e if e < 4 else 0  # norms compute in fp32
     common = 4 * heads + 2 * hd * e + 8  # attention's log-sum-exp, the rotary tables, the norms' scales
@@ -238,12 +252,14 @@ def hf_layer_memory(config: Any, dtype: torch.dtype = torch.bfloat16, trainable:
     block = LayerMemory(
         weight_bytes=block_params * e, grad_bytes=block_params * e if trainable else 0,
         bytes_per_token=untiled + boundary, bytes_per_token_tiled=tiled + boundary,
-        bytes_per_tile_token=width * (5.5 * e + 12), saved_bytes_per_token=saved_untiled, width=width,
+        bytes_per_tile_token=3 * width * e, tiled_fixed_bytes=2 * mlp_params * e if trainable else 0,
+        saved_bytes_per_token=saved_untiled, saved_bytes_per_token_tiled=e * (4 * h + 2 * qd + 2 * kvd) + common,
+        width=width,
         hidden_bytes_per_token=e * h)
 
     embedding_params = vocab * h
     embedding = LayerMemory(weight_bytes=embedding_params * e, grad_bytes=embedding_params * e if trainable else 0,
-                            bytes_per_token=boundary, saved_bytes_per_token=boundary, hidden_bytes_per_token=e * h)
+                            bytes_per_token=boundary, saved_bytes_per_token=16, hidden_bytes_per_token=e * h)
     head_params = vocab * h + h
     chunk = max(1, (1 << 24) // vocab)  # roundpipe.hf: the loss's chunks of tokens
     head = LayerMemory(weight_bytes=head_params * e, grad_bytes=head_params * e if trainable else 0,
