@@ -8,20 +8,21 @@ the call's plan, the tokens of one microbatch, the recompute grain and the
 sequence tile. ``hf_layer_memory`` gives the layers of a Hugging Face
 decoder (Llama, Qwen3, Mistral and other dense decoders run through the
 presets) from its config alone, so a model never built can be sized:
-``max_sequence_length`` finds the longest sequence that fits a budget.
+``max_tokens`` finds the longest sequence that fits a budget.
 
-What a device holds at its peak (layer grain), in this model:
+What a device holds at its peak, in this model:
 
-- the weights and gradients of two stages (the running stage and the one
-  prefetched: the engine's two stage slots), the two largest stages' of the
-  plan;
+- the running stage's weights and gradients; between stages, a stage's
+  weights and gradients and the next stage's weights (prefetched into the
+  engine's second stage slot);
 - in a recomputed stage, for the layer whose backward pass needs the most:
   its input and the gradient of its output (one ``tokens x hidden`` tensor
   each), what its forward with gradients keeps and what its backward pass
   adds (``bytes_per_token``), and, tiled, one tile's intermediates
   (``bytes_per_tile_token``) and the MLP's outputs its forward kept;
-- in the fused last stage (never recomputed), what every layer's forward
-  keeps at once, plus the last layer's backward pass.
+- in the fused last stage (never recomputed), and in every stage at stage
+  grain, what every layer's forward keeps at once, plus the last layer's
+  backward pass.
 
 Activation bytes per token of a decoder block are fitted to what torch
 allocates on CPU devices (tests/python/test_memory_model.py checks the
@@ -50,7 +51,9 @@ class LayerMemory:
     """What one layer needs on a device.
 
     - ``weight_bytes``: its parameters and buffers as uploaded.
-    - ``grad_bytes``: the gradients of its trainable parameters.
+    - ``grad_bytes``: the gradients of its trainable parameters;
+      ``grad_bytes_at_peak``: those that exist at the peak of its untiled
+      backward pass (None: all).
     - ``bytes_per_token``: activation bytes per token of the microbatch at
       the peak of its forward with gradients and its backward pass, untiled.
     - ``bytes_per_token_tiled``: the same with its position-wise parts
@@ -69,12 +72,15 @@ class LayerMemory:
       takes and passes on.
     - ``loss_bytes_per_token``, ``loss_chunk_tokens``: bytes per token of
       a loss computed over chunks of at most that many tokens (the chunked
-      loss's logits and their gradients).
+      loss's logits and their gradients), and ``loss_phase_bytes_per_token``
+      the other bytes per token while it runs (its peak: the larger of this
+      phase's and ``bytes_per_token``'s).
     """
 
     weight_bytes: int
     grad_bytes: int
     bytes_per_token: float
+    grad_bytes_at_peak: Optional[int] = None
     bytes_per_token_tiled: Optional[float] = None
     bytes_per_tile_token: float = 0.0
     tiled_fixed_bytes: int = 0
@@ -84,6 +90,14 @@ class LayerMemory:
     hidden_bytes_per_token: float = 0.0
     loss_bytes_per_token: float = 0.0
     loss_chunk_tokens: int = 0
+    loss_phase_bytes_per_token: float = 0.0
+
+    def __post_init__(self):
+        for name, value in self.__dict__.items():
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"LayerMemory.{name} must be a number >= 0, got {value!r}")
 
     def saved_bytes(self, tokens: int, rows: int, tile: Optional[int]) -> float:
         """What its forward with gradients keeps for ``tokens`` tokens in
@@ -92,16 +106,24 @@ class LayerMemory:
             return self.saved_bytes_per_token_tiled * tokens
         return self.saved_bytes_per_token * tokens
 
+    def peak_grad_bytes(self, tokens: int, rows: int, tile: Optional[int]) -> int:
+        """Its gradient bytes at the peak of its backward pass (tiled: all)."""
+        tiled = tile is not None and self.bytes_per_token_tiled is not None and tile * rows < tokens
+        return self.grad_bytes if tiled or self.grad_bytes_at_peak is None else self.grad_bytes_at_peak
+
     def activation_bytes(self, tokens: int, rows: int, tile: Optional[int]) -> float:
         """Activation bytes at the peak of its backward pass for ``tokens``
         tokens in ``rows`` rows, with tiles of ``tile`` tokens per row (None:
         untiled)."""
-        loss = self.loss_bytes_per_token * min(tokens, self.loss_chunk_tokens or tokens)
+        loss = 0.0
+        if self.loss_bytes_per_token:
+            loss = self.loss_bytes_per_token * min(tokens, self.loss_chunk_tokens or tokens) + \
+                self.loss_phase_bytes_per_token * tokens
         if tile is not None and self.bytes_per_token_tiled is not None and tile * rows < tokens:
             # The MLP's outputs, kept by the forward, come back for the recomputation.
             return (self.bytes_per_token_tiled + self.hidden_bytes_per_token) * tokens + \
-                self.bytes_per_tile_token * tile * rows + self.tiled_fixed_bytes + loss
-        return self.bytes_per_token * tokens + loss
+                self.bytes_per_tile_token * tile * rows + self.tiled_fixed_bytes
+        return max(self.bytes_per_token * tokens, loss)
 
 
 def _check_int(name, value, minimum):
@@ -172,18 +194,21 @@ def predict_peak_bytes(layers: Sequence[LayerMemory], tokens: int, rows: int = 1
     peak = 0.0
     for number, stage in enumerate(stages):
         members = sorted(stage)
-        # The running stage's weights and gradients, its activations; the
-        # stage prefetched into the other slot (weights_peak below) comes
-        # up once the running one is past its peak.
-        resident = weights[number] + grads[number]
+        # The running stage's weights and gradients (those that exist at
+        # the peak), its activations; the stage prefetched into the other
+        # slot (weights_peak below) comes up once the running one is past
+        # its peak.
+        resident = weights[number]
         hidden = max(layers[i].hidden_bytes_per_token for i in members) * tokens
+        others = [grads[number] - layers[i].grad_bytes + layers[i].peak_grad_bytes(tokens, rows, tile)
+                  for i in members]
         if number == 0 or recompute_grain == "stage":
             # Every layer's forward keeps what its backward needs; the last
             # layer then runs its backward pass on top.
             kept = sum(layers[i].saved_bytes(tokens, rows, tile) for i in members[:-1])
-            act = kept + layers[members[-1]].activation_bytes(tokens, rows, tile)
+            act = kept + layers[members[-1]].activation_bytes(tokens, rows, tile) + others[-1]
         else:
-            act = max(layers[i].activation_bytes(tokens, rows, tile) for i in members)
+            act = max(layers[i].activation_bytes(tokens, rows, tile) + g for i, g in zip(members, others))
         if num_microbatch > 1:
             act += hidden
         peak = max(peak, resident + act)
@@ -251,6 +276,7 @@ def hf_layer_memory(config: Any, dtype: torch.dtype = torch.bfloat16, trainable:
     boundary = e * 3 * h + 2 * hd * e + 16
     block = LayerMemory(
         weight_bytes=block_params * e, grad_bytes=block_params * e if trainable else 0,
+        grad_bytes_at_peak=h * width * e if trainable else 0,  # untiled, the MLP's down projection's
         bytes_per_token=untiled + boundary, bytes_per_token_tiled=tiled + boundary,
         bytes_per_tile_token=3 * width * e, tiled_fixed_bytes=2 * mlp_params * e if trainable else 0,
         saved_bytes_per_token=saved_untiled, saved_bytes_per_token_tiled=e * (4 * h + 2 * qd + 2 * kvd) + common,
@@ -262,9 +288,13 @@ def hf_layer_memory(config: Any, dtype: torch.dtype = torch.bfloat16, trainable:
                             bytes_per_token=boundary, saved_bytes_per_token=16, hidden_bytes_per_token=e * h)
     head_params = vocab * h + h
     chunk = max(1, (1 << 24) // vocab)  # roundpipe.hf: the loss's chunks of tokens
+    head_input = e * h + 2 * hd * e + 16  # no gradient comes back to the head
+    # The final norm and the LM head's backward pass; the loss's chunks
+    # compute their logits in fp32.
     head = LayerMemory(weight_bytes=head_params * e, grad_bytes=head_params * e if trainable else 0,
-                       bytes_per_token=boundary + e * 2 * h + 4 * h + 4, hidden_bytes_per_token=e * h,
-                       loss_bytes_per_token=vocab * (e + 12), loss_chunk_tokens=chunk)
+                       grad_bytes_at_peak=0, bytes_per_token=head_input + 6 * e * h + 2 * upcast * h,
+                       hidden_bytes_per_token=e * h, loss_bytes_per_token=12.5 * vocab, loss_chunk_tokens=chunk,
+                       loss_phase_bytes_per_token=head_input + 4 * h + 520)
     return [embedding] + [block] * blocks + [head]
 
 
