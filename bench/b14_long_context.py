@@ -238,7 +238,8 @@ def main():
           f"us_per_token_untiled={1e6 * per_token['untiled']:.2f} seq_len={args.length} sequence_tile={args.tile} "
           f"block_saved_bytes_per_token_tiled={saved['tiled']:.0f} "
           f"block_saved_bytes_per_token_untiled={saved['untiled']:.0f} "
-          f"block_peak_bytes_per_token_tiled={peak['tiled']:.0f} block_peak_bytes_per_token_untiled={peak['untiled']:.0f} "
+          f"block_peak_bytes_per_token_tiled={peak['tiled']:.0f} "
+          f"block_peak_bytes_per_token_untiled={peak['untiled']:.0f} "
           f"max_tokens_24g_llama8b={longest['llama8b']} max_tokens_24g_qwen32b={longest['qwen32b']} "
           f"model_error_max={error_max:.3f}")
 
