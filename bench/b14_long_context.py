@@ -25,8 +25,17 @@ thread per device.
 - The peak bytes per token of one block's forward with gradients and its
   backward pass (a layer-grain recomputation), tiled and untiled, measured
   by torch's memory tracker (torch.distributed._tools.mem_tracker), the
-  parameters excepted: the engine's own per-device counters are not
-  readable from Python.
+  parameters excepted.
+- The device-memory model (roundpipe.memory) against the engine's measured
+  peaks (roundpipe.device.memory_stats, the busiest device) for this model,
+  one sequence per microbatch, one layer per stage, at 512 and 1,024 tokens
+  untiled and 1,024 and 2,048 tokens in tiles of 256:
+  ``model_error_max`` is the worst relative error.
+- From the model alone (configs, nothing built): the longest sequence, one
+  per microbatch, bf16, full fine-tune, layer grain, the automatic tile,
+  one layer per stage, whose predicted peak fits 24 GiB, for Llama-3.1-8B
+  and Qwen3-32B shapes (``max_tokens_24g_llama8b``,
+  ``max_tokens_24g_qwen32b``).
 
     python bench/b14_long_context.py [--length N] [--tile N]   prints RESULT id=B14 ...
 """
@@ -137,6 +146,53 @@ def peak_bytes_per_token(length, tile):
     return out
 
 
+MODEL_SHAPES = ((512, None), (1024, None), (1024, 256), (2048, 256))  # (tokens, tile)
+
+
+def model_errors():
+    """(tokens, tile, predicted, measured) of one forward_backward per shape."""
+    import torch
+    import roundpipe
+    from roundpipe import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
+    from roundpipe.memory import hf_layer_memory, predict_peak_bytes
+    out = []
+    n = BLOCKS + 2
+    plan = ModelExecutePlan([range(i, i + 1) for i in range(n - 1)], [range(i, i + 1) for i in reversed(range(n))])
+    for length, tile in MODEL_SHAPES:
+        hf = llama(length)
+        config = RoundPipeRunConfig(num_microbatch=1, recompute_grain="layer", sequence_tile=tile, execute_plan=plan)
+        model = wrap_model_to_roundpipe(hf, model_run_config=config, name=f"b14-model-{length}-{tile}")
+        ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(4))
+        kwargs = {"input_ids": ids, "labels": ids}
+        model.forward_backward(input_kwargs=kwargs, loss_fn=lambda o, _: o.loss)
+        model.synchronize()
+        roundpipe.device.reset_peak_memory_stats()
+        model.forward_backward(input_kwargs=kwargs, loss_fn=lambda o, _: o.loss)
+        model.synchronize()
+        measured = max(s["max_allocated_bytes"] for s in roundpipe.device.memory_stats())
+        predicted = predict_peak_bytes(hf_layer_memory(hf.config, torch.float32), length, 1, stages=plan.bwd_plan,
+                                       recompute_grain="layer", sequence_tile=tile, element_size=4)
+        out.append((length, tile, predicted, measured))
+    return out
+
+
+def max_tokens_24g():
+    """The longest sequence whose predicted peak fits 24 GiB, per shape."""
+    import torch
+    from transformers import LlamaConfig, Qwen3Config
+    from roundpipe.memory import hf_layer_memory, max_tokens
+    configs = {
+        "llama8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               tie_word_embeddings=False),
+        "qwen32b": Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                               num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                               tie_word_embeddings=False),
+    }
+    return {name: max_tokens(hf_layer_memory(config, torch.bfloat16), 24 << 30, 1, recompute_grain="layer",
+                             element_size=2) for name, config in configs.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=1024, help="tokens per sequence (default 1024)")
@@ -164,13 +220,28 @@ def main():
     for name, nbytes in peak.items():
         print(f"  {name:8s} {nbytes:9.0f} bytes per token at the peak of one block's forward and backward",
               flush=True)
+    errors = model_errors()
+    for length, tile, predicted, measured in errors:
+        print(f"  model    {length:5d} tokens, {'untiled' if tile is None else f'tiles of {tile}':12s} predicted "
+              f"{predicted:10d} B, measured {measured:10d} B ({(predicted - measured) / measured:+.3f})", flush=True)
+    error_max = max(abs(p - m) / m for _, _, p, m in errors)
+    longest = max_tokens_24g()
+    print(f"  24 GiB, bf16, full fine-tune, layer grain, tiled: Llama-3.1-8B {longest['llama8b']} tokens, "
+          f"Qwen3-32B {longest['qwen32b']} tokens (predicted)", flush=True)
     print("target (issue 53): tiled_time_vs_untiled <= 1.05: " + ("met" if ratio <= 1.05 else "NOT met"))
+    for key, value, target in (("max_tokens_24g_llama8b", longest["llama8b"], 147000),
+                               ("max_tokens_24g_qwen32b", longest["qwen32b"], 84000)):
+        print(f"target (issue 53): {key} >= {target}: " + ("met" if value >= target else "NOT met"))
+    print("target (issue 53): model_error_max <= 0.10: " + ("met" if error_max <= 0.10 else "NOT met"))
     print(f"RESULT id=B14 tiled_time_vs_untiled={ratio:.3f} tiled_cpu_time_vs_untiled={per_token['cpu ratio']:.3f} "
           f"us_per_token_tiled={1e6 * per_token['tiled']:.2f} "
           f"us_per_token_untiled={1e6 * per_token['untiled']:.2f} seq_len={args.length} sequence_tile={args.tile} "
           f"block_saved_bytes_per_token_tiled={saved['tiled']:.0f} "
           f"block_saved_bytes_per_token_untiled={saved['untiled']:.0f} "
-          f"block_peak_bytes_per_token_tiled={peak['tiled']:.0f} block_peak_bytes_per_token_untiled={peak['untiled']:.0f}")
+          f"block_peak_bytes_per_token_tiled={peak['tiled']:.0f} "
+          f"block_peak_bytes_per_token_untiled={peak['untiled']:.0f} "
+          f"max_tokens_24g_llama8b={longest['llama8b']} max_tokens_24g_qwen32b={longest['qwen32b']} "
+          f"model_error_max={error_max:.3f}")
 
 
 if __name__ == "__main__":

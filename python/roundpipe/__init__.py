@@ -33,7 +33,7 @@ from . import _layers, _values, plan as _plan  # noqa: E402
 # What the engine calls back into (it imports no module of the package).
 _C._register_helpers(_layers.LayerAdapter, _values.flatten_node, _values.unflatten_node, _plan.ModelExecutePlan)
 
-from . import data, distributed, microbatch, optim, presets, safetensors, timer, trace
+from . import data, device, distributed, memory, microbatch, optim, presets, safetensors, timer, trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from ._model import RoundPipe
 from .auto import AutoRoundPipe, WrapPathWarning

@@ -154,7 +154,7 @@ class RoundPipe(nn.Module):
     _OWN = frozenset(("model", "name", "_engine", "_original", "_layers", "_layer_prefixes",
                       "_optim_dtype", "_run_config", "_optim_by_master", "_process_group",
                       "_gradient_reduction", "_pin_model", "_default_merge", "_overlap_iterations",
-                      "_sync_warmup_steps", "_warned_small_batch", "_tile_settings"))
+                      "_sync_warmup_steps", "_warned_small_batch", "_tile_settings", "_memory_layers"))
 
     def __init__(self, model: nn.Module, optim_dtype: Optional[torch.dtype] = None, name: Optional[str] = None,
                  model_run_config: Optional[RoundPipeRunConfig] = None, pin_model: str = "alloc",
@@ -212,6 +212,7 @@ class RoundPipe(nn.Module):
             own["_layer_prefixes"] = [""]
         own["_tile_settings"] = [layer.tile_setting for layer in own["_layers"]
                                  if isinstance(getattr(layer, "tile_setting", None), SequenceTileSetting)]
+        own["_memory_layers"] = None
         own["_engine"] = None
         self._build_engine()
 
@@ -269,6 +270,33 @@ class RoundPipe(nn.Module):
         fields = {f: getattr(run_config, f) for f in _RUN_CONFIG_FIELDS} if run_config is not None else {}
         return RoundPipeRunConfig(**{**fields, "num_microbatch": batch})
 
+    def set_memory_model(self, layers: Optional[Sequence[Any]]) -> None:
+        """The model's layers as roundpipe.memory sees them (a LayerMemory
+        per layer; None: none): ``forward_backward`` then checks each call
+        against its memory budget (RoundPipeRunConfig.memory_budget)."""
+        from .memory import LayerMemory
+        if layers is not None:
+            layers = list(layers)
+            if len(layers) != len(self._layers) or not all(isinstance(m, LayerMemory) for m in layers):
+                raise ValueError(f"set_memory_model: needs one roundpipe.memory.LayerMemory per layer "
+                                 f"({len(self._layers)}), got {len(layers)} values")
+        self.__dict__["_memory_layers"] = layers
+
+    def _check_memory_budget(self, args, kwargs, run_config):
+        from .memory_budget import check_memory_budget
+
+        def field(name):
+            value = getattr(run_config, name, None) if run_config is not None else None
+            return value if value is not None else getattr(self._run_config, name, None)
+
+        floating = [p for layer in self._layers for p in layer.parameters() if p.is_floating_point()]
+        element_size = floating[0].element_size() if floating else 4
+        tile = check_memory_budget(self._memory_layers, field, self._engine.num_devices(),
+                                   lambda: self._engine.default_execute_plan("fused"), args, kwargs, element_size)
+        if tile is not None:
+            for setting in self._tile_settings:
+                setting.value = tile
+
     def forward_backward(self, input_args: Sequence[Any] = (), input_kwargs: Optional[Dict[str, Any]] = None,
                          label: Any = None, loss_fn: Callable[[Any, Any], Any] = _default_loss_fn,
                          return_outputs: bool = False, run_config: Optional[RoundPipeRunConfig] = None) -> Any:
@@ -295,6 +323,8 @@ class RoundPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError("forward_backward: loss_fn must be callable")
         run_config = self._call_config(input_args, input_kwargs, run_config)
+        if self._memory_layers is not None:
+            self._check_memory_budget(input_args, input_kwargs, run_config)
         out = self._engine.forward_backward(input_args, input_kwargs, label, loss_fn, bool(return_outputs),
                                             run_config)
         return (_as_loss(out[0]), out[1]) if return_outputs else _as_loss(out)

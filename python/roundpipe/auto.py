@@ -46,6 +46,7 @@ from .microbatch import _merge_auto, _split_auto
 from .hf import _FAMILIES, _base_model, _family, merge_hf_outputs
 from .hf_generic import GenericDecoderUnsupported, generic_layers, preset_layers
 from .packed import pack_frozen_linears
+from .memory_budget import hf_memory_model
 from .run_config import _FIELDS as _RUN_CONFIG_FIELDS, RoundPipeRunConfig
 
 
@@ -525,6 +526,7 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
             config = RoundPipeRunConfig(**{**fields, "merge_output": merge_hf_outputs})
         wrapped = RoundPipe(layers, model_run_config=config, **roundpipe_kwargs)
         wrapped.set_original_model(model)
+        wrapped.set_memory_model(hf_memory_model(_base_model(model), len(layers)))
         warnings.warn(f"wrap_model_to_roundpipe: the {type(model).__name__} runs as {why}", WrapPathWarning,
                       stacklevel=2)
         return wrapped

@@ -2,7 +2,8 @@
 from typing import Any, Optional
 
 _FIELDS = ("num_microbatch", "recompute_grain", "output_device", "preserve_rng_state",
-           "requires_grad", "split_input", "split_label", "merge_output", "execute_plan", "sequence_tile")
+           "requires_grad", "split_input", "split_label", "merge_output", "execute_plan", "sequence_tile",
+           "memory_budget")
 
 
 # The engine counts microbatches in 64-bit integers; no batch comes near this.
@@ -31,6 +32,12 @@ class RoundPipeRunConfig:
       least the sequence length: untiled); automatic by default
       (roundpipe.tiling.auto_sequence_tile: untiled unless one tile's MLP
       intermediates would pass 256 MiB). No effect on other layers.
+    - ``memory_budget``: bytes a call may hold on one device (an int >= 1).
+      A Hugging Face decoder wrapped by ``wrap_model_to_roundpipe`` checks
+      its ``forward_backward`` against it before the call starts
+      (roundpipe.memory): one predicted to pass it raises ValueError with
+      the longest sequence that fits. Default: a GPU's memory less 10 %;
+      unchecked on CPU devices.
     """
 
     __slots__ = _FIELDS
@@ -38,7 +45,8 @@ class RoundPipeRunConfig:
     def __init__(self, num_microbatch: Optional[int] = None, recompute_grain: Optional[str] = None,
                  output_device: Any = None, preserve_rng_state: Optional[bool] = None,
                  requires_grad: Optional[bool] = None, split_input: Any = None, split_label: Any = None,
-                 merge_output: Any = None, execute_plan: Any = None, sequence_tile: Optional[int] = None) -> None:
+                 merge_output: Any = None, execute_plan: Any = None, sequence_tile: Optional[int] = None,
+                 memory_budget: Optional[int] = None) -> None:
         if num_microbatch is not None:
             if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
                 raise TypeError(f"num_microbatch must be an int, got {type(num_microbatch).__name__}")
@@ -56,6 +64,12 @@ class RoundPipeRunConfig:
             if sequence_tile < 1:
                 raise ValueError(f"sequence_tile must be >= 1 token per tile, got {sequence_tile}; "
                                  "use None for the automatic tile")
+        if memory_budget is not None:
+            if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+                raise TypeError(f"memory_budget must be an int (bytes per device) or None, got "
+                                f"{type(memory_budget).__name__} {memory_budget!r}")
+            if memory_budget < 1:
+                raise ValueError(f"memory_budget must be >= 1 byte, got {memory_budget}")
         if execute_plan is not None and not (hasattr(execute_plan, "fwd_plan") and hasattr(execute_plan, "bwd_plan")):
             raise TypeError(f"execute_plan must be a roundpipe.ModelExecutePlan, got {type(execute_plan).__name__}")
         self.num_microbatch = num_microbatch
@@ -68,6 +82,7 @@ class RoundPipeRunConfig:
         self.merge_output = merge_output
         self.execute_plan = execute_plan
         self.sequence_tile = sequence_tile
+        self.memory_budget = memory_budget
 
     def __repr__(self):
         set_fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS if getattr(self, f) is not None)

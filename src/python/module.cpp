@@ -331,6 +331,25 @@ PYBIND11_MODULE(_C, m) {
   m.def("tracing", &tracing);
   m.def("get_num_devices", &get_num_devices, py::call_guard<py::gil_scoped_release>());
   m.def("get_device_names", &get_device_names, py::call_guard<py::gil_scoped_release>());
+  // One dict per device of the pool, in pool order.
+  m.def("device_memory_stats", [] {
+    std::vector<DeviceMemoryStats> stats;
+    {
+      py::gil_scoped_release release;
+      stats = device_memory_stats();
+    }
+    py::list out;
+    for (const auto& s : stats) {
+      py::dict d;
+      d["device"] = s.device;
+      d["allocated_bytes"] = s.allocated_bytes;
+      d["max_allocated_bytes"] = s.max_allocated_bytes;
+      d["max_reserved_bytes"] = s.max_reserved_bytes;
+      out.append(std::move(d));
+    }
+    return out;
+  });
+  m.def("reset_peak_device_memory", &reset_peak_device_memory, py::call_guard<py::gil_scoped_release>());
   m.def("wait_for_pending_destructions", &wait_for_pending_destructions,
         py::call_guard<py::gil_scoped_release>());
   m.def("close_engine_threads_gate", &close_engine_threads_gate,
