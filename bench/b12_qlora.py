@@ -1,12 +1,9 @@
 """B12 (docs/guide.md): LoRA on packed frozen weights (QLoRA) against bf16
 frozen weights.
 
-- Host bytes per frozen parameter: a Llama-shaped bf16 model of 4 blocks
-  (hidden 2048, MLP 5632, as TinyLlama's; vocabulary 1024, so the frozen
-  weights are nearly all in the blocks' linears) with PEFT LoRA (r 8, every
-  linear; PEFT keeps the adapters in fp32, about r x 4 / hidden bytes per
-  frozen weight: at hidden 2048 about 1.6 % of the bf16 bytes, at the
-  targets' hidden sizes, 4096 and up, under 0.8 %),
+- Host bytes per frozen parameter: a Llama-shaped bf16 model of 8 blocks
+  (hidden 1024, MLP 2816, vocabulary 1024, so the frozen weights are
+  nearly all in the blocks' linears) with PEFT LoRA (r 8, every linear),
   wrapped with wrap_model_to_roundpipe (frozen_weights="nf4", or bf16 as
   loaded), 3 iterations of forward_backward + asynchronous AdamW step, then
   synchronize(); each format in a process of its own, on 2 CPU devices. The
@@ -40,7 +37,7 @@ import subprocess
 import sys
 import time
 
-LAYERS, HIDDEN, MLP, VOCAB = 4, 2048, 5632, 1024
+LAYERS, HIDDEN, MLP, VOCAB = 8, 1024, 2816, 1024
 
 
 def rss_bytes():
@@ -65,7 +62,7 @@ def host_child(fmt):
     gc.collect()
     before = rss_bytes()
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
-                                      num_hidden_layers=LAYERS, num_attention_heads=32, num_key_value_heads=4,
+                                      num_hidden_layers=LAYERS, num_attention_heads=16, num_key_value_heads=4,
                                       max_position_embeddings=256, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
