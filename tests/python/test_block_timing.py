@@ -79,9 +79,10 @@ def test_an_early_returning_call_is_not_faster_than_the_same_work_inline():
     finally:
         engine.close()
     early, inline = median(times["early"]), median(times["inline"])
-    # Sleeps last at least as long as asked and the device runs one at a time.
-    assert early >= FRONT + BACK and inline >= FRONT + BACK
-    assert abs(early / inline - 1) <= 0.10, (early, inline)
+    # Sleeps last at least as long as asked and the device runs one at a time:
+    # the early return's block is charged the whole work, as the inline one.
+    # (No bound on their ratio: a timing threshold fails on a loaded machine.)
+    assert early >= FRONT + BACK and inline >= FRONT + BACK, (early, inline)
 
 
 def test_blocks_alternate_and_only_timed_blocks_are_kept():
